@@ -1,0 +1,42 @@
+"""qarl: reinforcement learning of LLMs with quantized rollouts and a rollout-aligned learner.
+
+The public API (names kept stable; see README):
+
+    model = qarl.load_model("smollm2-135m")
+    tok = qarl.load_tokenizer("smollm2-135m")
+    qarl.quantize_model(model, "w8a8-int8", mode="kernel")
+    engine = qarl.LocalEngine(model)
+    batch = engine.generate(prompt_ids, qarl.SamplingParams(max_new_tokens=32), seed=0)
+    loss, metrics = qarl.LOSSES["tbpo"](logp, old_logp, rollout_logp, advantages, mask)
+    qarl.train("recipes/default.toml", overrides={"train.steps": 5})
+
+Names are resolved lazily so `import qarl` stays cheap and the CLI starts fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "SamplingParams": "qarl.types",
+    "RolloutBatch": "qarl.types",
+    "load_model": "qarl.model",
+    "load_tokenizer": "qarl.model",
+    "LocalEngine": "qarl.rollout",
+    "quantize_model": "qarl.quant",
+    "SCHEMES": "qarl.quant",
+    "LOSSES": "qarl.algo",
+    "CORRECTIONS": "qarl.algo",
+    "train": "qarl.train",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'qarl' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,47 @@
+"""`qarl` command line: one subcommand per module, each exposing add_arguments(p) and run(args).
+
+Modules are imported only for the subcommand that runs, so `qarl --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, one-line help). The module owns its arguments and behaviour.
+COMMANDS = {
+    "train": ("qarl.train.cli", "run RL training from a TOML recipe (default: recipes/default.toml)"),
+    "sft": ("qarl.train.sft_cli", "warm-start a model by supervised fine-tuning on a built-in task"),
+    "eval": ("qarl.train.eval_cli", "evaluate a model or checkpoint on a task's held-out set"),
+    "parity": ("qarl.train.parity", "measure learner-vs-engine logprob mismatch per scheme and alignment"),
+    "models": ("qarl.model.zoo", "list and prepare the embedded models"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qarl", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        # Arguments are added lazily in main() for the chosen command only.
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if not argv or argv[0] not in COMMANDS:
+        parser.parse_args(argv or ["--help"])
+        return 2
+    name = argv[0]
+    module = importlib.import_module(COMMANDS[name][0])
+    p = argparse.ArgumentParser(prog=f"qarl {name}", description=COMMANDS[name][1])
+    module.add_arguments(p)
+    args = p.parse_args(argv[1:])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

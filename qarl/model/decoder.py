@@ -1,0 +1,197 @@
+"""The decoder: Llama / Qwen2 / Qwen3 dense transformers with HF parameter names.
+
+Parameter names match Hugging Face (`model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`)
+so a HF state dict loads with no renaming. Every projection is a plain `nn.Linear`: the
+quantization package swaps them; this module knows nothing about quantization or RL.
+
+`forward` returns hidden states, not logits, so callers can apply `lm_head` in chunks
+(a [N, L, vocab] fp32 tensor for a 49k vocabulary is the largest thing in a training step).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from qarl.model.cache import KVCache
+from qarl.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # y = w * x / sqrt(mean(x^2) + eps), computed in fp32 as HF does, cast back after.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> Tensor:  # [head_dim / 2] float32
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "llama3":
+        return inv_freq
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+    factor = scaling["factor"]
+    low_freq_factor = scaling.get("low_freq_factor", 1.0)
+    high_freq_factor = scaling.get("high_freq_factor", 4.0)
+    old_context = scaling.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: [B, H, T, D]; cos/sin: [B, 1, T, D]. Non-interleaved (HF "rotate_half") layout.
+    return x * cos + rotate_half(x) * sin
+
+
+def attention_mask(
+    key_mask: Tensor | None, query_start: int, num_queries: int, num_keys: int, device
+) -> Tensor | None:  # [B or 1, 1, T, S] bool, True = may attend
+    """Causal mask for queries at cache slots query_start.. over keys 0..num_keys-1, and
+    padding: keys where key_mask [B, S] is False are never attended. A padding query attends
+    to itself only, so no row is empty (its output is never used)."""
+    if key_mask is None and query_start == 0 and num_queries == num_keys:
+        return None  # plain causal: SDPA's is_causal path
+    q_slot = torch.arange(query_start, query_start + num_queries, device=device)
+    k_slot = torch.arange(num_keys, device=device)
+    mask = (k_slot[None, :] <= q_slot[:, None])[None, None]  # [1, 1, T, S]
+    if key_mask is not None:
+        mask = mask & key_mask[:, None, None, :num_keys]
+        mask = mask | (k_slot[None, :] == q_slot[:, None])[None, None]
+    return mask
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        d, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
+        self.q_proj = nn.Linear(d, config.num_heads * hd, bias=config.attention_bias)
+        self.k_proj = nn.Linear(d, config.num_kv_heads * hd, bias=config.attention_bias)
+        self.v_proj = nn.Linear(d, config.num_kv_heads * hd, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.num_heads * hd, d, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, cache_start: int):
+        B, T, _ = x.shape  # x: [B, T, hidden]
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+        v = v.transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(layer, k, v, cache_start)  # [B, Hkv, S, D]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # SwiGLU: down(silu(gate(x)) * up(x))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, mask, cache, layer, cache_start):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, cache_start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Decoder-only language model. `model(...)` gives hidden states; `lm_head` gives logits."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderBody(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+
+    def rope(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
+        # positions: [B, T] int64 -> cos, sin: [B, 1, T, head_dim]
+        freqs = positions[:, :, None].float() * self.inv_freq[None, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(
+        self,
+        input_ids: Tensor,  # [B, T] int64
+        positions: Tensor | None = None,  # [B, T] int64 RoPE positions; default 0..T-1
+        cache: KVCache | None = None,
+        cache_start: int = 0,  # cache slot of input_ids[:, 0]
+        key_mask: Tensor | None = None,  # [B, S] bool over slots 0..S-1; False = padding
+    ) -> Tensor:  # [B, T, hidden]
+        B, T = input_ids.shape
+        if positions is None:
+            positions = torch.arange(cache_start, cache_start + T, device=input_ids.device).expand(B, T)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(positions, x.dtype)
+        num_keys = cache_start + T
+        mask = attention_mask(key_mask, cache_start, T, num_keys, input_ids.device)
+        for i, block in enumerate(self.model.layers):
+            x = block(x, cos, sin, mask, cache, i, cache_start)
+        return self.model.norm(x)
+
+    def logits(self, input_ids: Tensor, **kwargs) -> Tensor:  # [B, T, vocab]
+        return self.lm_head(self(input_ids, **kwargs))
+
+    def new_cache(self, batch_size: int, max_len: int, dtype=None) -> KVCache:
+        c = self.config
+        dtype = dtype or self.model.embed_tokens.weight.dtype
+        device = self.model.embed_tokens.weight.device
+        return KVCache(c.num_layers, batch_size, c.num_kv_heads, max_len, c.head_dim, dtype, device)

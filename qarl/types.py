@@ -1,0 +1,89 @@
+"""Plain data that crosses module boundaries: sampling settings and rollout batches.
+
+Shapes use N = number of sequences, P = padded prompt length, L = padded response length.
+Prompts are left-padded (real tokens end at column P-1), responses right-padded (real tokens
+start at column 0), so prompt + response concatenated is one contiguous sequence per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+FINISH_STOP = "stop"  # emitted an EOS or stop id (the id is kept in the response)
+FINISH_LENGTH = "length"  # hit max_new_tokens (or the context limit) first
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the engine turns logits into tokens.
+
+    The sampler draws from softmax(logits / temperature) restricted to the top_k tokens and
+    then to the smallest nucleus of mass >= top_p, renormalized. `rollout_logp` reports the
+    log-probability of the drawn token under exactly that distribution. With the RL defaults
+    (top_k=0, top_p=1.0) this equals log_softmax(logits / temperature), which is what the
+    learner recomputes; truncation makes the two differ by design.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k truncation
+    greedy: bool = False  # argmax decoding; temperature/top_p/top_k are then ignored
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the tokenizer's EOS ids
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.greedy and not self.temperature > 0:
+            problems.append(
+                f"temperature must be > 0 when sampling, got {self.temperature}; "
+                "use greedy=True for argmax decoding"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            problems.append(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if problems:
+            raise ValueError("invalid SamplingParams: " + "; ".join(problems))
+
+
+@dataclass
+class RolloutBatch:
+    """What an engine returns from `generate`: N sampled responses and how they were sampled."""
+
+    prompt_ids: Tensor  # [N, P] int64, left-padded with pad_id
+    prompt_mask: Tensor  # [N, P] bool, True on real prompt tokens
+    response_ids: Tensor  # [N, L] int64, right-padded with pad_id after the finish
+    response_mask: Tensor  # [N, L] bool, True on generated tokens (the final EOS included)
+    rollout_logp: Tensor  # [N, L] float32, sampler logprob of each generated token; 0 on padding
+    finish_reasons: list[str] = field(default_factory=list)  # N x FINISH_STOP | FINISH_LENGTH
+
+    @property
+    def num_sequences(self) -> int:
+        return self.response_ids.shape[0]
+
+    @property
+    def response_lengths(self) -> Tensor:  # [N] int64
+        return self.response_mask.sum(dim=1)
+
+    def sequence_ids(self) -> Tensor:  # [N, P + L] int64: prompt then response, one row each
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    def sequence_mask(self) -> Tensor:  # [N, P + L] bool: real tokens of prompt and response
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    def select(self, index: Tensor) -> "RolloutBatch":
+        """Rows `index` ([K] int64) of the batch, in that order."""
+        rows = index.tolist()
+        return RolloutBatch(
+            prompt_ids=self.prompt_ids[index],
+            prompt_mask=self.prompt_mask[index],
+            response_ids=self.response_ids[index],
+            response_mask=self.response_mask[index],
+            rollout_logp=self.rollout_logp[index],
+            finish_reasons=[self.finish_reasons[i] for i in rows],
+        )

@@ -74,8 +74,13 @@ class ModelConfig:
             "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
             "rope_theta", "rope_scaling", "max_position_embeddings", "tie_word_embeddings",
             "attention_bias", "bos_token_id", "eos_token_id", "architectures", "model_type",
+            "rope_parameters",
         }
-        rope_scaling = hf.get("rope_scaling")
+        # transformers >= 5 writes rope_theta and the scaling together as `rope_parameters`.
+        rope = dict(hf.get("rope_parameters") or {})
+        rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        scaled = rope.get("rope_type") not in (None, "default")
+        rope_scaling = hf.get("rope_scaling") or (rope if scaled else None)
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (
             "llama3", "default"
         ):
@@ -92,7 +97,7 @@ class ModelConfig:
             num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
             head_dim=hf.get("head_dim"),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=hf.get("rope_theta", 10000.0),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),

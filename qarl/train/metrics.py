@@ -1,0 +1,85 @@
+"""Where step metrics go: a JSONL file (always), TensorBoard (when installed), a progress bar."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+# Figures shown on the progress bar: metric key -> short label.
+PROGRESS_FIGURES = {
+    "reward/mean": "reward",
+    "reward/accuracy": "acc",
+    "mismatch/max_abs_dlogp": "|dlogp|max",
+    "errors/rep_ngram": "rep",
+    "speed/tokens_per_s": "tok/s",
+}
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else (1e308 if value > 0 else -1e308)
+    return value
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, total_steps: int, progress: bool = True,
+                 tensorboard: bool | str = "auto", jsonl: bool = True, start_step: int = 0):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        self.jsonl = jsonl
+        self.writer = None
+        want_tb = tensorboard is True or (
+            tensorboard == "auto" and importlib.util.find_spec("tensorboard") is not None
+        )
+        if want_tb:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                            file=sys.stderr, dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, Any], kind: str = "train") -> None:
+        row = {"step": step, "kind": kind, **{k: _plain(v) for k, v in metrics.items()}}
+        if self.jsonl:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        if self.writer is not None:
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.writer.add_scalar(f"{kind}/{key}", value, step)
+        if self.bar is not None and kind == "train":
+            shown = {label: f"{row[k]:.3g}" for k, label in PROGRESS_FIGURES.items()
+                     if isinstance(row.get(k), (int, float))}
+            self.bar.set_postfix(shown, refresh=False)
+            self.bar.update(1)
+
+    def write(self, text: str) -> None:
+        """Print a line without breaking the progress bar."""
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            rows.append(json.loads(line))
+    return rows

@@ -1,1 +1,40 @@
-"""See docs/architecture.md."""
+"""RL algorithms as pure torch functions: losses, rollout corrections, advantages.
+
+Imports only torch and `qarl.types`; no config reads, logging or I/O. See README.md here for
+the table of losses and corrections and the micro-batch contract.
+"""
+
+from qarl.algo.advantages import ADVANTAGE_MODES, GroupInfo, group_advantages, overlong_penalty
+from qarl.algo.aggregation import AGGREGATIONS, aggregate
+from qarl.algo.common import RUNTIME_KWARGS, UnknownNameError, metrics_to_floats
+from qarl.algo.corrections import (
+    CORRECTIONS,
+    Correction,
+    apply_corrections,
+    compose,
+    correction_params,
+    validate_correction_params,
+)
+from qarl.algo.losses import LOSSES, global_counts, loss_params, validate_loss_params
+
+__all__ = [
+    "ADVANTAGE_MODES",
+    "AGGREGATIONS",
+    "CORRECTIONS",
+    "Correction",
+    "GroupInfo",
+    "LOSSES",
+    "RUNTIME_KWARGS",
+    "UnknownNameError",
+    "aggregate",
+    "apply_corrections",
+    "compose",
+    "correction_params",
+    "global_counts",
+    "group_advantages",
+    "loss_params",
+    "metrics_to_floats",
+    "overlong_penalty",
+    "validate_correction_params",
+    "validate_loss_params",
+]

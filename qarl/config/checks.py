@@ -1,0 +1,269 @@
+"""Checks that span fields, sections or other modules' registries.
+
+Each check is a function of the validated sections it names and returns a list of Problems;
+the loader runs a check only when all its sections validated, so one bad section never hides
+the problems of another. The registries (qarl.quant.SCHEMES, qarl.algo.LOSSES / CORRECTIONS,
+qarl.tasks.TASKS, the model zoo) are imported here lazily: loading a recipe imports them, but
+importing qarl.config does not. A registry that a module does not define (yet) is not checked.
+The docstring of each check is its rule as printed in docs/config.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from qarl.config.errors import Problem, short, suggest, unknown_key
+
+DATASET_SUFFIXES = (".jsonl", ".parquet")
+
+
+def registry(module: str, name: str) -> Any | None:
+    """`module.name` if the module exists and defines it, else None (the check is skipped)."""
+    if importlib.util.find_spec(module) is None:
+        return None
+    return getattr(importlib.import_module(module), name, None)
+
+
+def _zoo_names() -> list[str] | None:
+    zoo = registry("qarl.model.zoo", "ZOO")
+    return None if zoo is None else sorted(zoo)
+
+
+def check_params(path: str, fn: Any, params: Mapping[str, Any], skip: int) -> list[Problem]:
+    """Unknown keyword names for `fn` (a function or class), after its first `skip` parameters.
+
+    Nothing is checked when `fn` takes **kwargs or has no introspectable signature.
+    """
+    if not (inspect.isfunction(fn) or inspect.isclass(fn)):
+        return []
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return []
+    parameters = list(signature.parameters.values())[skip:]
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return []
+    valid = [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return [unknown_key(path, key, valid, "parameter") for key in params if key not in valid]
+
+
+def check_name(path: str, name: str, table: Any, what: str, extra: tuple = ()) -> list[Problem]:
+    """`name` must be a key of `table` (or one of `extra`); None table = not checkable yet."""
+    if table is None or name in table or name in extra:
+        return []
+    return [Problem(path, f"unknown {what} {name!r}; {suggest(name, [*table, *extra])}")]
+
+
+def _validate_with(path: str, validator: Any, name: str, params: Mapping) -> list[Problem]:
+    """Run a module's own `validate_*(name, params)`; what it raises becomes the problem."""
+    if validator is None:
+        return []
+    try:
+        validator(name, dict(params))
+    except (ValueError, TypeError, KeyError) as error:
+        return [Problem(path, str(error).strip("'\""))]
+    return []
+
+
+def names_are_well_formed(run, task) -> list[Problem]:
+    """run.name is usable as a folder name; task.reward has the form 'module:function'."""
+    problems = []
+    if run.name is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", run.name):
+        problems.append(Problem("run.name", f"{short(run.name)} is not a plain folder name; use "
+                                            "letters, digits, '.', '_' and '-' only"))
+    if task.reward is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", task.reward):
+        problems.append(Problem("task.reward", f"{short(task.reward)} is not 'module:function' "
+                                               "(e.g. 'my_rewards:exact_match')"))
+    return problems
+
+
+def batch_is_whole_groups(rollout) -> list[Problem]:
+    """rollout.batch_size is a multiple of rollout.group_size (whole groups per step)."""
+    if rollout.batch_size % rollout.group_size == 0:
+        return []
+    lower = rollout.batch_size // rollout.group_size * rollout.group_size
+    suggestion = f"{lower} or {lower + rollout.group_size}" if lower else str(rollout.group_size)
+    return [Problem(
+        "rollout.batch_size",
+        f"{rollout.batch_size} is not a multiple of rollout.group_size ({rollout.group_size}); "
+        f"use e.g. {suggestion}",
+    )]
+
+
+def batch_is_whole_micro_batches(rollout, train) -> list[Problem]:
+    """rollout.batch_size is a multiple of train.micro_batch_size."""
+    if rollout.batch_size % train.micro_batch_size == 0:
+        return []
+    return [Problem(
+        "train.micro_batch_size",
+        f"rollout.batch_size ({rollout.batch_size}) is not a multiple of {train.micro_batch_size}; "
+        "use a divisor of the batch size",
+    )]
+
+
+def one_task_source(task) -> list[Problem]:
+    """Exactly one of task.name and task.dataset is set; a dataset is an existing .jsonl or
+    .parquet file; a task name exists in qarl.tasks.TASKS and its options in the task."""
+    if task.name is None and task.dataset is None:
+        return [Problem("task", "set task.name (a built-in task, e.g. 'addition') or "
+                                "task.dataset (a .jsonl or .parquet file)")]
+    if task.name is not None and task.dataset is not None:
+        return [Problem("task", f"both name ({task.name!r}) and dataset ({task.dataset!r}) are "
+                                "set; keep one (on the command line unset the other with "
+                                "--task.name= or --task.dataset=)")]
+    if task.dataset is not None:
+        problems = []
+        if not Path(task.dataset).is_file():
+            problems.append(Problem("task.dataset", f"file {task.dataset!r} does not exist"))
+        if not task.dataset.endswith(DATASET_SUFFIXES):
+            problems.append(Problem("task.dataset", f"{task.dataset!r} is neither .jsonl nor "
+                                                    ".parquet; convert it to one of them"))
+        if task.options:
+            problems.append(Problem("task.options", "options configure a built-in task; a "
+                                                    "dataset takes none: remove them"))
+        return problems
+    tasks = registry("qarl.tasks", "TASKS")
+    problems = check_name("task.name", task.name, tasks, "task")
+    if tasks is not None and not problems:
+        problems += check_params("task.options", tasks[task.name], task.options, skip=0)
+    return problems
+
+
+def scheme_exists(quant) -> list[Problem]:
+    """quant.scheme is 'none' or a name in qarl.quant.SCHEMES; 'none' takes no options."""
+    if quant.scheme == "none":
+        if quant.options:
+            return [Problem("quant.options", "set while quant.scheme is 'none' (full "
+                                             "precision); remove them or choose a scheme")]
+        return []
+    schemes = registry("qarl.quant", "SCHEMES")
+    problems = check_name("quant.scheme", quant.scheme, schemes, "scheme", extra=("none",))
+    if schemes is not None and not problems:
+        problems += check_params("quant.options", schemes[quant.scheme], quant.options, skip=0)
+    return problems
+
+
+def loss_and_correction_exist(algo) -> list[Problem]:
+    """algo.loss is in qarl.algo.LOSSES and algo.loss_params are parameters it takes;
+    algo.correction (if set) is in qarl.algo.CORRECTIONS, likewise its correction_params;
+    correction_params need a correction."""
+    losses = registry("qarl.algo", "LOSSES")
+    problems = check_name("algo.loss", algo.loss, losses, "loss")
+    if losses is not None and not problems:
+        # losses take (logp, old_logp, rollout_logp, advantages, mask, **params)
+        found = check_params("algo.loss_params", losses[algo.loss], algo.loss_params, skip=5)
+        validator = registry("qarl.algo", "validate_loss_params")
+        problems += found or _validate_with("algo.loss_params", validator, algo.loss,
+                                            algo.loss_params)
+    if algo.correction is None:
+        if algo.correction_params:
+            problems.append(Problem("algo.correction_params", "set but algo.correction is "
+                                    "not; name a correction (e.g. 'tis_token') or remove them"))
+        return problems
+    corrections = registry("qarl.algo", "CORRECTIONS")
+    found = check_name("algo.correction", algo.correction, corrections, "correction")
+    if corrections is not None and not found:
+        # corrections take (old_logp, rollout_logp, mask, **params)
+        found = check_params("algo.correction_params", corrections[algo.correction],
+                             algo.correction_params, skip=3)
+        validator = registry("qarl.algo", "validate_correction_params")
+        found = found or _validate_with("algo.correction_params", validator, algo.correction,
+                                        algo.correction_params)
+    return problems + found
+
+
+def overlong_fits(algo, rollout) -> list[Problem]:
+    """algo.overlong: l_cache < l_max <= rollout.max_new_tokens."""
+    if algo.overlong is None:
+        return []
+    problems = []
+    l_max, l_cache = algo.overlong.l_max, algo.overlong.l_cache
+    if l_cache >= l_max:
+        problems.append(Problem("algo.overlong.l_cache", f"{l_cache} must be below l_max "
+                                f"({l_max}): the ramp starts at l_max - l_cache"))
+    if l_max > rollout.max_new_tokens:
+        problems.append(Problem("algo.overlong.l_max", f"{l_max} exceeds rollout.max_new_tokens "
+                                f"({rollout.max_new_tokens}), so the penalty never completes; "
+                                "use l_max <= max_new_tokens"))
+    return problems
+
+
+def schedule_fits(train) -> list[Problem]:
+    """train.min_lr <= train.lr; train.warmup_steps <= train.steps; betas in [0, 1)."""
+    problems = []
+    if train.min_lr > train.lr:
+        problems.append(Problem("train.min_lr", f"{train.min_lr} is above train.lr ({train.lr}); "
+                                "the decay floor must be at most the peak"))
+    if train.warmup_steps > train.steps:
+        problems.append(Problem("train.warmup_steps", f"{train.warmup_steps} is more than "
+                                f"train.steps ({train.steps}); use at most {train.steps}"))
+    if not all(0 <= beta < 1 for beta in train.betas):
+        problems.append(Problem("train.betas", f"each beta must be in [0, 1), got {train.betas}"))
+    return problems
+
+
+def context_fits(model, task, rollout, eval) -> list[Problem]:
+    """With model.max_context set, task.max_prompt_tokens + rollout.max_new_tokens and
+    task.max_prompt_tokens + eval.max_new_tokens fit in it."""
+    if model.max_context is None:
+        return []
+    problems = []
+    for path, new_tokens in (("rollout.max_new_tokens", rollout.max_new_tokens),
+                             ("eval.max_new_tokens", eval.max_new_tokens)):
+        if task.max_prompt_tokens + new_tokens > model.max_context:
+            problems.append(Problem(path, f"{new_tokens} + task.max_prompt_tokens "
+                                    f"({task.max_prompt_tokens}) exceeds model.max_context "
+                                    f"({model.max_context}); shorten one or raise the context"))
+    return problems
+
+
+def model_exists(model) -> list[Problem]:
+    """model.name is a zoo model or an existing local path."""
+    if Path(model.name).exists():
+        return []
+    zoo = _zoo_names()
+    looks_like_path = "/" in model.name or model.name.endswith((".gguf", ".safetensors"))
+    if looks_like_path or (zoo is not None and model.name not in zoo):
+        where = f"; zoo models: {', '.join(zoo)}" if zoo else ""
+        return [Problem("model.name", f"{short(model.name)} is neither a zoo model nor an "
+                                      f"existing path{where}")]
+    return []
+
+
+def tensorboard_available(log) -> list[Problem]:
+    """log.tensorboard = true needs the tensorboard package ('auto' does not)."""
+    if log.tensorboard is True and importlib.util.find_spec("tensorboard") is None:
+        return [Problem("log.tensorboard", "true but the tensorboard package is not installed; "
+                                           "install it or use 'auto'")]
+    return []
+
+
+# (sections it reads, check), in the order problems are reported
+CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
+    (("run", "task"), names_are_well_formed),
+    (("model",), model_exists),
+    (("quant",), scheme_exists),
+    (("rollout",), batch_is_whole_groups),
+    (("rollout", "train"), batch_is_whole_micro_batches),
+    (("task",), one_task_source),
+    (("algo",), loss_and_correction_exist),
+    (("algo", "rollout"), overlong_fits),
+    (("train",), schedule_fits),
+    (("model", "task", "rollout", "eval"), context_fits),
+    (("log",), tensorboard_available),
+]
+
+
+def run_checks(sections: Mapping[str, Any]) -> list[Problem]:
+    """All problems of the checks whose sections are all valid (present in `sections`)."""
+    problems = []
+    for needs, check in CHECKS:
+        if all(name in sections for name in needs):
+            problems += check(*(sections[name] for name in needs))
+    return problems

@@ -1,0 +1,76 @@
+"""Reward functions and how a recipe names them.
+
+A reward is `(prompt: str, completion: str, **fields) -> float | None`; None means "cannot be
+scored" (the trainer leaves it out of the group baseline). A recipe names a reward either by a
+built-in name (`REWARDS`) or as `"package.module:function"`; `load_reward` resolves both, in the
+trainer or inside a reward worker process.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from qarl.tasks.base import RewardFn
+
+REWARDS = {
+    "addition": "qarl.tasks.addition:addition_reward",
+    "column_addition": "qarl.tasks.column_addition:column_addition_reward",
+    "math_answer": "qarl.tasks.math_reward:math_answer_reward",
+}
+
+
+def resolve_spec(name_or_spec: str) -> str:
+    """The "module:function" spec of a built-in reward name, or the spec itself."""
+    if not isinstance(name_or_spec, str) or not name_or_spec.strip():
+        raise ValueError(
+            f"a reward is named by a string, got {name_or_spec!r}; use a built-in name "
+            f"({', '.join(sorted(REWARDS))}) or 'package.module:function'"
+        )
+    if ":" in name_or_spec:
+        return name_or_spec.strip()
+    if name_or_spec in REWARDS:
+        return REWARDS[name_or_spec]
+    raise ValueError(
+        f"unknown reward {name_or_spec!r}; valid built-in rewards: {sorted(REWARDS)}, "
+        "or give your own as 'package.module:function'"
+    )
+
+
+def load_reward(name_or_spec: str) -> RewardFn:
+    """The reward function named by a built-in name or a "module:function" spec.
+
+    "module:function" imports `module` (from sys.path, so the current folder works for local
+    files) and looks up `function`, which may be dotted ("mod:Class.method").
+    """
+    spec = resolve_spec(name_or_spec)
+    module_name, _, attr_path = spec.partition(":")
+    if not module_name or not attr_path:
+        raise ValueError(
+            f"reward spec {spec!r} must look like 'package.module:function' "
+            "(module and function both non-empty)"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module_name + ".").startswith(e.name + "."):
+            raise ValueError(
+                f"reward module {module_name!r} (from {spec!r}) was not found; check the name "
+                "and that its folder is on sys.path / PYTHONPATH or the package is installed"
+            ) from e
+        raise ImportError(f"importing reward module {module_name!r} failed: {e}") from e
+    target: Any = module
+    for part in attr_path.split("."):
+        if not hasattr(target, part):
+            public = sorted(n for n in dir(target) if not n.startswith("_"))
+            raise ValueError(
+                f"reward {spec!r}: {getattr(target, '__name__', module_name)!r} has no attribute "
+                f"{part!r}; public names there: {public[:20]}"
+            )
+        target = getattr(target, part)
+    if not callable(target):
+        raise TypeError(
+            f"reward {spec!r} is a {type(target).__name__}, not a function; point the spec at a "
+            "callable (prompt, completion, **fields) -> float | None"
+        )
+    return target

@@ -1,0 +1,169 @@
+"""Load and save `CausalLM` weights: zoo names, Hugging Face folders and GGUF files.
+
+Sources `load_model` accepts:
+- a zoo name (`tiny`, `smollm2-135m`): prepared once under `$QARL_HOME`, then a folder load;
+- a folder with `config.json` and `model.safetensors`, or sharded weights listed in
+  `model.safetensors.index.json` (what `save_pretrained` writes);
+- a `.gguf` file, read with transformers' GGUF reader (the `gguf` package dequantizes).
+
+Only safetensors and GGUF are read: nothing is ever unpickled (`torch.load`).
+Tied embeddings: the file stores the embedding once and `lm_head` shares it, as in HF.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from qarl.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from qarl.model.decoder import CausalLM, rope_inverse_frequencies
+
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Keys some checkpoints carry that are recomputed, never learned.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM:
+    """A `CausalLM` from a zoo name, a HF model folder or a `.gguf` file, weights in `dtype`."""
+    from qarl.model.zoo import resolve  # the zoo prepares its models with this module
+
+    path = resolve(name_or_path)
+    if path.suffix == ".gguf":
+        hf_config, state = read_gguf(path, dtype)
+    else:
+        hf_config = read_hf_config(path)
+        state = None
+    config = model_config_from_hf(hf_config, source=path)
+    if state is None:
+        state = read_safetensors(path)
+    return build_model(config, state, dtype, source=path)
+
+
+def read_hf_config(folder: Path) -> dict:
+    """The parsed `config.json` of a model folder, with a clear error when it is not one."""
+    if not folder.is_dir():
+        raise ValueError(
+            f"{folder} is a file, not a model folder or a .gguf file; pass a folder holding "
+            f"config.json and {WEIGHTS_FILE}, or a .gguf file"
+        )
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"{folder} has no config.json: a model folder must contain config.json and "
+            f"{WEIGHTS_FILE} (or {INDEX_FILE} with its shards), as save_pretrained writes"
+        )
+    return json.loads(config_file.read_text())
+
+
+def model_config_from_hf(hf_config: dict, source: Path) -> ModelConfig:
+    """`ModelConfig.from_hf`, filling `architectures` from `model_type` when it is absent
+    (configs written by `PretrainedConfig.save_pretrained` or read from GGUF lack it)."""
+    hf_config = dict(hf_config)
+    by_family = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
+    if not hf_config.get("architectures") and hf_config.get("model_type") in by_family:
+        hf_config["architectures"] = [by_family[hf_config["model_type"]]]
+    try:
+        return ModelConfig.from_hf(hf_config)
+    except (ValueError, KeyError) as err:
+        raise ValueError(f"cannot load {source}: {err}") from err
+
+
+def read_safetensors(folder: Path) -> dict[str, Tensor]:
+    """Every tensor of a folder's `model.safetensors` or of the shards its index lists."""
+    single, index = folder / WEIGHTS_FILE, folder / INDEX_FILE
+    if single.is_file():
+        return load_file(single)
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state: dict[str, Tensor] = {}
+        for shard in shards:
+            state.update(load_file(folder / shard))
+        return state
+    pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+    hint = (
+        f"; found {pickles}, which qarl never unpickles: convert them to safetensors first"
+        if pickles else ""
+    )
+    raise FileNotFoundError(f"{folder} has config.json but neither {WEIGHTS_FILE} nor {INDEX_FILE}{hint}")
+
+
+def check_weight_names(config: ModelConfig, state: dict[str, Tensor], source: Path) -> dict[str, Tensor]:
+    """The state with ignorable keys dropped; raises listing missing or unexpected names."""
+    with torch.device("meta"):
+        expected = set(CausalLM(config).state_dict())
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")  # stored once, as the embedding
+    state = {
+        k: v for k, v in state.items()
+        if not k.endswith(_IGNORED_SUFFIXES) and not (config.tie_word_embeddings and k == "lm_head.weight")
+    }
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"weights of {source} do not fit a {config.family} model with this config.json: "
+            f"{len(missing)} missing (e.g. {missing[:5]}), {len(unexpected)} unexpected "
+            f"(e.g. {unexpected[:5]}); check that config.json belongs to these weights"
+        )
+    return state
+
+
+def build_model(config: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, source: Path) -> CausalLM:
+    """A `CausalLM` holding `state` (HF names) in `dtype`, built without a random init."""
+    state = check_weight_names(config, state, source)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    for name, tensor in state.items():
+        shape = model.get_parameter(name).shape
+        if tensor.shape != shape:
+            raise ValueError(
+                f"weight {name} of {source} has shape {list(tensor.shape)}, the config implies "
+                f"{list(shape)}; check that config.json belongs to these weights"
+            )
+    model.load_state_dict({k: v.to(dtype).contiguous() for k, v in state.items()}, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # RoPE frequencies stay float32 whatever `dtype` is, as in HF.
+    model.inv_freq = rope_inverse_frequencies(config)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"build_model left tensors uninitialised: {left}; update build_model")
+    return model.eval()
+
+
+def save_model(model: CausalLM, folder: str | Path) -> Path:
+    """Write `config.json` + `model.safetensors` (tied embedding stored once), loadable by
+    `load_model` and by transformers' `AutoModelForCausalLM.from_pretrained`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    hf_config = model.config.to_hf()
+    hf_config["dtype"] = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    tensors = {k: v.detach().contiguous() for k, v in sorted(state.items())}
+    save_file(tensors, folder / WEIGHTS_FILE, metadata={"format": "pt"})
+    return folder
+
+
+def read_gguf(path: Path, dtype: torch.dtype) -> tuple[dict, dict[str, Tensor]]:
+    """(HF config dict, dequantized state dict with HF names) of a `.gguf` file."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except ValueError as err:  # transformers names the GGUF architecture it cannot read
+        raise ValueError(f"cannot read {path}: {err}; qarl runs {sorted(SUPPORTED_ARCHITECTURES)}") from err
+    model_config_from_hf(hf_config.to_dict(), source=path)  # fail early on unsupported families
+    # transformers maps GGUF tensor names to HF names through a model instance; a meta
+    # one costs no memory.
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(hf_config)
+    parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf_model, torch_dtype=dtype)
+    return hf_config.to_dict(), parsed["tensors"]

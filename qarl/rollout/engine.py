@@ -1,0 +1,208 @@
+"""The local rollout engine: batched KV-cache generation with any `CausalLM` in this process.
+
+Generation is a few small functions with one job each (after gpt-fast): `prefill` runs the
+left-padded prompts once and returns the last position's logits, `decode_one_token` feeds
+one token per row through the preallocated cache, and `qarl.rollout.sampling.sample` turns
+logits into tokens and sampler logprobs. `LocalEngine.generate` strings them together and
+keeps the bookkeeping (finished rows, masks, finish reasons) vectorized: no Python work per
+row per step.
+
+Layout: prompts are left-padded to P columns, so every row's last prompt token sits in cache
+slot P-1 and decode step t writes slot P+t for all rows at once. RoPE positions skip the pads
+(row b's first real token has position 0) and `key_mask` marks the real slots. When at least
+half of the rows still decoding have finished, the batch is compacted (`KVCache.reorder`), so
+finished rows stop costing compute; their remaining response slots are padding, masked out,
+with logprob 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from qarl.model.cache import KVCache
+from qarl.model.decoder import CausalLM
+from qarl.rollout.sampling import sample
+from qarl.types import FINISH_LENGTH, FINISH_STOP, RolloutBatch, SamplingParams
+
+# Compact the batch once the rows still decoding are at most this fraction of the cache rows.
+_COMPACT_BELOW = 0.5
+
+
+def prefill(model: CausalLM, ids: Tensor, positions: Tensor, cache: KVCache, key_mask: Tensor) -> Tensor:
+    """ids, positions: [B, P] int64; key_mask: [B, S] bool -> logits [B, V] at the last column."""
+    hidden = model(ids, positions=positions, cache=cache, cache_start=0, key_mask=key_mask)
+    return model.lm_head(hidden[:, -1])  # lm_head on one position per row only
+
+
+def decode_one_token(
+    model: CausalLM, tokens: Tensor, positions: Tensor, cache: KVCache, slot: int, key_mask: Tensor
+) -> Tensor:
+    """tokens, positions: [B] int64 written at cache `slot`; key_mask: [B, S] bool -> [B, V]."""
+    hidden = model(
+        tokens[:, None], positions=positions[:, None], cache=cache, cache_start=slot,
+        key_mask=key_mask,
+    )
+    return model.lm_head(hidden[:, 0])
+
+
+class LocalEngine:
+    """Generates rollouts with a `CausalLM` (quantized or not) in this process.
+
+    eos_token_ids: ids that end a response (kept in it); None = `model.config.eos_token_ids`,
+    () = none. pad_token_id fills prompt and response padding. max_context bounds prompt +
+    response length (default `model.config.max_position_embeddings`): generation stops there
+    with finish reason "length" even before `max_new_tokens`.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        eos_token_ids: Sequence[int] | None = None,
+        pad_token_id: int = 0,
+        max_context: int | None = None,
+    ):
+        vocab = model.config.vocab_size
+        self.model = model
+        self.eos_token_ids = tuple(
+            model.config.eos_token_ids if eos_token_ids is None else eos_token_ids
+        )
+        self.pad_token_id = pad_token_id
+        self.max_context = (
+            model.config.max_position_embeddings if max_context is None else max_context
+        )
+        bad = [i for i in (*self.eos_token_ids, pad_token_id) if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(
+                f"eos/pad token ids {bad} are outside the model vocabulary [0, {vocab}); "
+                "pass the ids of the tokenizer that matches this model"
+            )
+
+    @classmethod
+    def from_tokenizer(cls, model: CausalLM, tokenizer, max_context: int | None = None) -> "LocalEngine":
+        """Take EOS and pad ids from a tokenizer with `.eos_token_ids` and `.pad_token_id`
+        (a missing pad id falls back to the first EOS id, then to 0)."""
+        eos = tuple(tokenizer.eos_token_ids)
+        pad = tokenizer.pad_token_id
+        if pad is None:
+            pad = eos[0] if eos else 0
+        return cls(model, eos_token_ids=eos, pad_token_id=pad, max_context=max_context)
+
+    def load_weights(self, state: dict) -> None:
+        """Install new weights in place (QWeights as-is, plain tensors copied) via
+        `qarl.quant.load_state`; the engine keeps using the same module objects."""
+        from qarl.quant import load_state  # quant imports model only; imported on use
+
+        with torch.no_grad():
+            load_state(self.model, state)
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int) -> RolloutBatch:
+        """Sample one response per prompt. Same seed, same model, same prompts: same tokens.
+
+        `rollout_logp` is the log-probability of each drawn token under exactly the
+        distribution it was drawn from (after temperature, top-k and top-p, renormalized); for
+        greedy decoding it is the log-softmax of the raw logits. See `qarl.rollout.sampling`.
+        """
+        device = self.model.model.embed_tokens.weight.device
+        ids, prompt_mask = self._left_pad(prompt_ids, device)  # [N, P] each
+        budget = self._response_budget(ids.shape[1], sampling.max_new_tokens)
+        generator = torch.Generator(device=device).manual_seed(seed)
+        with torch.inference_mode():
+            response, logp, mask, stopped = self._decode(ids, prompt_mask, budget, sampling, generator)
+        length = int(mask.sum(dim=1).max())  # the longest response sets L
+        return RolloutBatch(
+            prompt_ids=ids,
+            prompt_mask=prompt_mask,
+            response_ids=response[:, :length].clone(),
+            response_mask=mask[:, :length].clone(),
+            rollout_logp=logp[:, :length].clone(),
+            finish_reasons=[FINISH_STOP if s else FINISH_LENGTH for s in stopped.tolist()],
+        )
+
+    def _decode(self, ids, prompt_mask, budget, sampling, generator):
+        """The generation loop. ids, prompt_mask: [N, P]. Returns response [N, budget] int64,
+        logp [N, budget] float32, mask [N, budget] bool, stopped [N] bool."""
+        N, P = ids.shape
+        device = ids.device
+        stop_ids = torch.tensor(
+            sorted({*self.eos_token_ids, *sampling.stop_token_ids}), dtype=torch.long, device=device
+        )
+        cache = self.model.new_cache(N, P + budget)
+        key_mask = torch.zeros(N, P + budget, dtype=torch.bool, device=device)  # [N, S]
+        key_mask[:, :P] = prompt_mask
+        key_mask[:, P:] = True  # response slots of a live row are always real
+        positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp_min(0)  # [N, P] pads skipped
+        next_position = positions[:, -1] + 1  # [N] RoPE position of the next fed token
+
+        response = torch.full((N, budget), self.pad_token_id, dtype=torch.long, device=device)
+        logp = torch.zeros(N, budget, dtype=torch.float32, device=device)
+        mask = torch.zeros(N, budget, dtype=torch.bool, device=device)
+        stopped = torch.zeros(N, dtype=torch.bool, device=device)
+        rows = torch.arange(N, device=device)  # [B] original row of each cache row
+        live = torch.ones(N, dtype=torch.bool, device=device)  # [B] cache row still decoding
+
+        logits = prefill(self.model, ids, positions, cache, key_mask)  # [N, V]
+        for t in range(budget):
+            tokens, token_logp = sample(logits, sampling, generator)  # [B] each
+            tokens = tokens.masked_fill(~live, self.pad_token_id)
+            response[rows, t] = tokens
+            logp[rows, t] = token_logp.masked_fill(~live, 0.0)
+            mask[rows, t] = live
+            hit = live & torch.isin(tokens, stop_ids)  # [B] emitted a stop id now
+            stopped[rows] |= hit
+            live &= ~hit
+            if t == budget - 1:
+                break
+            num_live = int(live.sum())
+            if num_live == 0:
+                break
+            if num_live <= _COMPACT_BELOW * live.numel():
+                keep = live.nonzero().squeeze(1)  # [B'] cache rows to keep
+                cache.reorder(keep)
+                rows, tokens, next_position = rows[keep], tokens[keep], next_position[keep]
+                key_mask, live = key_mask[keep], live[keep]
+            logits = decode_one_token(self.model, tokens, next_position, cache, P + t, key_mask)
+            next_position += 1
+        return response, logp, mask, stopped
+
+    def _left_pad(self, prompt_ids: list[list[int]], device) -> tuple[Tensor, Tensor]:
+        """Validate and left-pad: -> ids [N, P] int64, prompt_mask [N, P] bool."""
+        if len(prompt_ids) == 0:
+            raise ValueError("generate() got an empty prompt list; pass at least one prompt")
+        lengths = [len(p) for p in prompt_ids]
+        empty = [i for i, n in enumerate(lengths) if n == 0]
+        if empty:
+            raise ValueError(
+                f"prompts {empty[:10]} are empty; every prompt needs at least one token "
+                "(e.g. a BOS id) to condition on"
+            )
+        flat = torch.tensor([t for p in prompt_ids for t in p], dtype=torch.long)
+        vocab = self.model.config.vocab_size
+        out_of_vocab = (flat < 0) | (flat >= vocab)
+        if out_of_vocab.any():
+            first = int(out_of_vocab.nonzero()[0])
+            row = int((torch.tensor(lengths).cumsum(0) <= first).sum())
+            raise ValueError(
+                f"prompt {row} contains token id {int(flat[first])} outside the model "
+                f"vocabulary [0, {vocab}); tokenize with the tokenizer of this model"
+            )
+        P = max(lengths)
+        length_t = torch.tensor(lengths)  # [N]
+        prompt_mask = torch.arange(P)[None, :] >= P - length_t[:, None]  # [N, P] bool
+        ids = torch.full((len(prompt_ids), P), self.pad_token_id, dtype=torch.long)
+        ids[prompt_mask] = flat  # row-major fill = each prompt right-aligned in its row
+        return ids.to(device), prompt_mask.to(device)
+
+    def _response_budget(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Decode steps: max_new_tokens, cut so the longest prompt + response fits max_context."""
+        room = self.max_context - prompt_len
+        if room < 1:
+            raise ValueError(
+                f"the longest prompt has {prompt_len} tokens, which leaves no room for "
+                f"max_new_tokens={max_new_tokens} within the context limit of "
+                f"{self.max_context} tokens; shorten the prompt or raise max_context "
+                "(at most the model's max_position_embeddings)"
+            )
+        return min(max_new_tokens, room)

@@ -1,0 +1,87 @@
+"""Logits -> tokens and their log-probabilities: the one place the sampler's math lives.
+
+`token_logprobs` is the function the learner calls to recompute logprobs, and the engine calls
+the very same function on the logits it sampled from, so with the RL defaults (top_k=0,
+top_p=1.0) learner and sampler logprobs agree bit for bit whenever their logits do.
+
+What `sample` reports as the sampler logprob of each drawn token:
+- sampling (temperature T, optional top-k then top-p): the log-probability under exactly the
+  distribution that was drawn from, softmax(logits / T) restricted to the kept tokens and
+  renormalized. Without truncation this is `token_logprobs(logits, tokens, T)`.
+- greedy: `token_logprobs(logits, tokens, 1.0)`, the log-softmax of the raw logits (the
+  argmax "distribution" would give 0 everywhere, which says nothing about the policy).
+Everything is computed in float32 whatever the model dtype (bf16 logits are upcast first).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from qarl.types import SamplingParams
+
+# Smallest positive float32: a floor for the exponential noise so that a draw of exactly 0
+# (never observed in 2e8 CPU draws, but not excluded by the API) cannot turn a masked -inf
+# logit into NaN, which argmax would pick.
+_NOISE_FLOOR = torch.finfo(torch.float32).tiny
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+    """Log-probability of `tokens` under softmax(logits / temperature), in float32.
+
+    logits: [..., V] any float dtype; tokens: [...] int64 -> [...] float32.
+    Only the chosen token is gathered: no log-softmax over the vocabulary is kept. For an
+    fp32 input at temperature 1 no copy of `logits` is made.
+    """
+    scaled = logits.float()
+    if temperature != 1.0:
+        scaled = scaled / temperature if scaled is logits else scaled.div_(temperature)
+    # log p(y) = z_y / T - logsumexp(z / T)
+    picked = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [...]
+    return picked - torch.logsumexp(scaled, dim=-1)
+
+
+def truncate_logits(scaled: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Set logits outside the top-k, then outside the top-p nucleus, to -inf.
+
+    scaled: [B, V] float32 (already divided by the temperature) -> [B, V] float32.
+    top_k keeps every token whose logit is >= the k-th largest (ties at the k-th value are
+    all kept). top_p keeps the smallest prefix of the sorted distribution whose mass reaches
+    top_p: token i is kept when the mass of the tokens ranked before it is < top_p, so the
+    most likely token is always kept.
+    """
+    if 0 < top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]  # [B, 1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)  # [B, V] each
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # mass strictly before rank i: cumsum_i - p_i
+        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # [B, V] bool, in rank order
+        drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)  # vocab order
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled
+
+
+def sample(
+    logits: Tensor, sampling: SamplingParams, generator: torch.Generator
+) -> tuple[Tensor, Tensor]:
+    """Draw one token per row and report its sampler logprob (see the module docstring).
+
+    logits: [B, V] any float dtype -> (tokens [B] int64, logp [B] float32).
+    Randomness comes only from `generator`.
+    """
+    if sampling.greedy:
+        tokens = logits.argmax(dim=-1)
+        return tokens, token_logprobs(logits, tokens, 1.0)
+    scaled = logits.float() / sampling.temperature  # [B, V] float32
+    truncated = sampling.top_k > 0 or sampling.top_p < 1.0
+    if truncated:
+        scaled = truncate_logits(scaled, sampling.top_k, sampling.top_p)
+    # Gumbel-max: argmax_i(z_i - log E_i), E_i ~ Exp(1) i.i.d., is distributed as softmax(z).
+    noise = torch.empty_like(scaled).exponential_(generator=generator).clamp_min_(_NOISE_FLOOR)
+    tokens = (scaled - noise.log_()).argmax(dim=-1)  # [B]
+    if truncated:
+        return tokens, token_logprobs(scaled, tokens, 1.0)
+    # The learner's exact computation: same function, same logits, same temperature.
+    return tokens, token_logprobs(logits, tokens, sampling.temperature)

@@ -1,0 +1,127 @@
+"""The sampler math in isolation: logprobs, truncation, and the distribution actually drawn."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qarl.rollout.sampling import sample, token_logprobs, truncate_logits
+from qarl.types import SamplingParams
+
+
+def _logits(rows=6, vocab=50, seed=0, scale=3.0):  # [rows, vocab] float32
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def test_token_logprobs_is_log_softmax_at_temperature():
+    """token_logprobs(z, y, T) = log_softmax(z / T)[y] in fp32 (two fp32 formulas of the same
+    quantity: they may differ by a few ulps of values of size ~10, hence 1e-5)."""
+    logits = _logits()
+    tokens = torch.randint(0, 50, (6,))
+    for temperature in (1.0, 0.7, 1.3):
+        expected = torch.log_softmax(logits / temperature, dim=-1).gather(-1, tokens[:, None])[:, 0]
+        got = token_logprobs(logits, tokens, temperature)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_token_logprobs_leaves_input_untouched_and_upcasts_bf16():
+    """The input logits are never modified in place, and bf16 logits give the fp32 logprob of
+    their exact fp32 upcast (identical bits to passing the upcast tensor)."""
+    logits = _logits().bfloat16()
+    before = logits.clone()
+    tokens = torch.randint(0, 50, (6,))
+    got = token_logprobs(logits, tokens, 0.7)
+    assert torch.equal(logits, before)
+    assert torch.equal(got, token_logprobs(logits.float(), tokens, 0.7))
+    fp32 = _logits()
+    fp32_before = fp32.clone()
+    token_logprobs(fp32, tokens, 0.7)
+    assert torch.equal(fp32, fp32_before)
+
+
+def test_top_k_one_is_greedy():
+    """top_k=1 keeps only the argmax, so every draw equals greedy and has logprob 0."""
+    logits = _logits(rows=32)
+    greedy, _ = sample(logits, SamplingParams(greedy=True), torch.Generator().manual_seed(0))
+    for seed in range(5):
+        tokens, logp = sample(logits, SamplingParams(top_k=1), torch.Generator().manual_seed(seed))
+        assert torch.equal(tokens, greedy)
+        assert torch.equal(logp, torch.zeros(32))
+
+
+def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:  # [B, V] bool, float64 ref
+    probs = torch.softmax(logits.double(), dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    keep_sorted = sorted_probs.cumsum(-1) - sorted_probs < top_p
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+def test_top_p_never_samples_outside_the_nucleus():
+    """With top_p < 1, 2,000 draws per row all fall in the smallest top-probability set whose
+    mass reaches top_p (reference computed independently in float64)."""
+    logits = _logits(rows=4, scale=2.0).repeat(500, 1)  # [2000, 50]
+    nucleus = _nucleus(logits, 0.6)
+    assert nucleus.sum(-1).max() < 50  # the truncation is not vacuous
+    tokens, _ = sample(logits, SamplingParams(top_p=0.6), torch.Generator().manual_seed(1))
+    assert nucleus.gather(-1, tokens[:, None]).all()
+
+
+def test_truncated_logprob_is_renormalized_probability():
+    """With top-k and top-p, the reported logprob is log(p_y / sum of kept p), checked against
+    a float64 reference (fp32 vs fp64 on values ~10: 1e-5)."""
+    logits = _logits(rows=64, scale=2.0)
+    sampling = SamplingParams(temperature=0.8, top_k=20, top_p=0.7)
+    tokens, logp = sample(logits, sampling, torch.Generator().manual_seed(2))
+    scaled = logits.double() / 0.8
+    kth = scaled.topk(20, dim=-1).values[:, -1:]
+    kept = (scaled >= kth) & _nucleus(scaled.masked_fill(scaled < kth, float("-inf")), 0.7)
+    probs = torch.softmax(scaled, dim=-1) * kept
+    expected = (probs.gather(-1, tokens[:, None])[:, 0] / probs.sum(-1)).log()
+    assert kept.gather(-1, tokens[:, None]).all()
+    torch.testing.assert_close(logp.double(), expected, atol=1e-5, rtol=0)
+
+
+def test_truncate_logits_top_k_keeps_exactly_k_distinct():
+    """top-k on distinct logits keeps exactly k entries per row, the k largest."""
+    logits = _logits(rows=8)
+    kept = truncate_logits(logits, 5, 1.0).isfinite()
+    assert torch.equal(kept.sum(-1), torch.full((8,), 5))
+    assert torch.equal(kept, logits >= logits.topk(5, dim=-1).values[:, -1:])
+
+
+def test_sampling_frequencies_match_softmax():
+    """The Gumbel-max draw follows softmax(z / T): over 40,000 draws each token's frequency is
+    within 5 binomial standard deviations of its probability."""
+    n = 40_000
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]]).repeat(n, 1)
+    tokens, _ = sample(logits, SamplingParams(temperature=1.5), torch.Generator().manual_seed(3))
+    probs = torch.softmax(logits[0] / 1.5, dim=-1).double()
+    freq = torch.bincount(tokens, minlength=5).double() / n
+    sigma = (probs * (1 - probs) / n).sqrt()
+    assert ((freq - probs).abs() < 5 * sigma).all(), (freq, probs)
+
+
+def test_greedy_logprob_is_raw_log_softmax():
+    """Greedy picks the argmax and reports log_softmax of the raw logits (temperature 1)."""
+    logits = _logits()
+    tokens, logp = sample(logits, SamplingParams(greedy=True, temperature=0.3), torch.Generator())
+    assert torch.equal(tokens, logits.argmax(-1))
+    assert torch.equal(logp, token_logprobs(logits, tokens, 1.0))
+
+
+def test_same_generator_seed_same_draws_and_seeds_differ():
+    """Draws depend only on the generator: same seed, same tokens; another seed, other tokens."""
+    logits = _logits(rows=64)
+
+    def draw(seed: int) -> torch.Tensor:
+        return sample(logits, SamplingParams(), torch.Generator().manual_seed(seed))[0]
+
+    assert torch.equal(draw(7), draw(7))
+    assert not torch.equal(draw(7), draw(8))
+
+
+def test_nonpositive_temperature_needs_greedy():
+    """SamplingParams refuses temperature <= 0 when sampling and says to use greedy."""
+    with pytest.raises(ValueError, match=r"temperature must be > 0 when sampling, got 0.*greedy=True"):
+        SamplingParams(temperature=0.0)

@@ -35,22 +35,36 @@ def _zoo_names() -> list[str] | None:
     return None if zoo is None else sorted(zoo)
 
 
-def check_params(path: str, fn: Any, params: Mapping[str, Any], skip: int) -> list[Problem]:
-    """Unknown keyword names for `fn` (a function or class), after its first `skip` parameters.
-
-    Nothing is checked when `fn` takes **kwargs or has no introspectable signature.
-    """
+def signature_params(fn: Any) -> list[str] | None:
+    """Keyword names `fn` (a function or class) accepts; None when it takes **kwargs or has no
+    introspectable signature (then nothing is checked)."""
     if not (inspect.isfunction(fn) or inspect.isclass(fn)):
-        return []
+        return None
     try:
-        signature = inspect.signature(fn)
+        parameters = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
-        return []
-    parameters = list(signature.parameters.values())[skip:]
+        return None
     if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return None
+    return [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def param_problems(
+    path: str, params: Mapping[str, Any], valid: list[str] | None,
+    validator: Any = None, name: str = "",
+) -> list[Problem]:
+    """Unknown names in `params` (each with the closest valid one); if there are none, what
+    the owning module's `validator(name, params)` says about the values."""
+    if valid is None:
         return []
-    valid = [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return [unknown_key(path, key, valid, "parameter") for key in params if key not in valid]
+    unknown = [unknown_key(path, key, valid, "parameter") for key in params if key not in valid]
+    return unknown or _validate_with(path, validator, name, params)
+
+
+def _names_of(module: str, lister: str, name: str) -> list[str] | None:
+    """`module.lister(name)` (a dict of parameter names to defaults) as a list, if it exists."""
+    function = registry(module, lister)
+    return None if function is None else list(function(name))
 
 
 def check_name(path: str, name: str, table: Any, what: str, extra: tuple = ()) -> list[Problem]:
@@ -71,16 +85,12 @@ def _validate_with(path: str, validator: Any, name: str, params: Mapping) -> lis
     return []
 
 
-def names_are_well_formed(run, task) -> list[Problem]:
-    """run.name is usable as a folder name; task.reward has the form 'module:function'."""
-    problems = []
-    if run.name is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", run.name):
-        problems.append(Problem("run.name", f"{short(run.name)} is not a plain folder name; use "
-                                            "letters, digits, '.', '_' and '-' only"))
-    if task.reward is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", task.reward):
-        problems.append(Problem("task.reward", f"{short(task.reward)} is not 'module:function' "
-                                               "(e.g. 'my_rewards:exact_match')"))
-    return problems
+def run_name_is_a_folder(run) -> list[Problem]:
+    """run.name is usable as a folder name."""
+    if run.name is None or re.fullmatch(r"[A-Za-z0-9._-]+", run.name):
+        return []
+    return [Problem("run.name", f"{short(run.name)} is not a plain folder name; use letters, "
+                                "digits, '.', '_' and '-' only")]
 
 
 def batch_is_whole_groups(rollout) -> list[Problem]:
@@ -109,7 +119,8 @@ def batch_is_whole_micro_batches(rollout, train) -> list[Problem]:
 
 def one_task_source(task) -> list[Problem]:
     """Exactly one of task.name and task.dataset is set; a dataset is an existing .jsonl or
-    .parquet file; a task name exists in qarl.tasks.TASKS and its options in the task."""
+    .parquet file; a task name exists in qarl.tasks.TASKS; task.options are options of the
+    task (for a dataset: of the 'dataset' task, less path and reward which have their own keys)."""
     if task.name is None and task.dataset is None:
         return [Problem("task", "set task.name (a built-in task, e.g. 'addition') or "
                                 "task.dataset (a .jsonl or .parquet file)")]
@@ -117,22 +128,40 @@ def one_task_source(task) -> list[Problem]:
         return [Problem("task", f"both name ({task.name!r}) and dataset ({task.dataset!r}) are "
                                 "set; keep one (on the command line unset the other with "
                                 "--task.name= or --task.dataset=)")]
-    if task.dataset is not None:
-        problems = []
-        if not Path(task.dataset).is_file():
-            problems.append(Problem("task.dataset", f"file {task.dataset!r} does not exist"))
-        if not task.dataset.endswith(DATASET_SUFFIXES):
-            problems.append(Problem("task.dataset", f"{task.dataset!r} is neither .jsonl nor "
-                                                    ".parquet; convert it to one of them"))
-        if task.options:
-            problems.append(Problem("task.options", "options configure a built-in task; a "
-                                                    "dataset takes none: remove them"))
-        return problems
     tasks = registry("qarl.tasks", "TASKS")
-    problems = check_name("task.name", task.name, tasks, "task")
-    if tasks is not None and not problems:
-        problems += check_params("task.options", tasks[task.name], task.options, skip=0)
+    if task.dataset is None:
+        problems = check_name("task.name", task.name, tasks, "task")
+        if tasks is None or problems:
+            return problems
+        return param_problems("task.options", task.options, _names_of(
+            "qarl.tasks", "task_options", task.name))
+    problems = []
+    if not Path(task.dataset).is_file():
+        problems.append(Problem("task.dataset", f"file {task.dataset!r} does not exist"))
+    if not task.dataset.endswith(DATASET_SUFFIXES):
+        problems.append(Problem("task.dataset", f"{task.dataset!r} is neither .jsonl nor "
+                                                ".parquet; convert it to one of them"))
+    if tasks is not None and "dataset" in tasks:
+        valid = [key for key in _names_of("qarl.tasks", "task_options", "dataset") or []
+                 if key not in ("path", "reward")]
+        problems += param_problems("task.options", task.options, valid)
     return problems
+
+
+def reward_exists(task) -> list[Problem]:
+    """task.reward is a built-in reward (qarl.tasks.REWARDS) or 'module:function'."""
+    if task.reward is None or re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", task.reward):
+        return []
+    rewards = registry("qarl.tasks", "REWARDS")
+    if rewards is not None and task.reward in rewards:
+        return []
+    if rewards and suggest(task.reward, rewards).startswith("did"):
+        return [Problem("task.reward", f"{short(task.reward)} is not a built-in reward; "
+                                       f"{suggest(task.reward, rewards)} (or give "
+                                       "'module:function')")]
+    builtin = f" ({', '.join(sorted(rewards))})" if rewards else ""
+    return [Problem("task.reward", f"{short(task.reward)} is neither a built-in reward{builtin} "
+                                   "nor 'module:function' (e.g. 'my_rewards:exact_match')")]
 
 
 def scheme_exists(quant) -> list[Problem]:
@@ -145,37 +174,49 @@ def scheme_exists(quant) -> list[Problem]:
     schemes = registry("qarl.quant", "SCHEMES")
     problems = check_name("quant.scheme", quant.scheme, schemes, "scheme", extra=("none",))
     if schemes is not None and not problems:
-        problems += check_params("quant.options", schemes[quant.scheme], quant.options, skip=0)
+        problems += param_problems("quant.options", quant.options,
+                                   signature_params(schemes[quant.scheme]))
     return problems
 
 
-def loss_and_correction_exist(algo) -> list[Problem]:
-    """algo.loss is in qarl.algo.LOSSES and algo.loss_params are parameters it takes;
-    algo.correction (if set) is in qarl.algo.CORRECTIONS, likewise its correction_params;
-    correction_params need a correction."""
+def loss_exists(algo) -> list[Problem]:
+    """algo.loss is in qarl.algo.LOSSES, algo.loss_params are parameters it accepts (checked by
+    qarl.algo.validate_loss_params); algo.aggregation is in qarl.algo.AGGREGATIONS, the loss
+    takes one, and it is not also set in loss_params."""
     losses = registry("qarl.algo", "LOSSES")
     problems = check_name("algo.loss", algo.loss, losses, "loss")
-    if losses is not None and not problems:
-        # losses take (logp, old_logp, rollout_logp, advantages, mask, **params)
-        found = check_params("algo.loss_params", losses[algo.loss], algo.loss_params, skip=5)
-        validator = registry("qarl.algo", "validate_loss_params")
-        problems += found or _validate_with("algo.loss_params", validator, algo.loss,
-                                            algo.loss_params)
-    if algo.correction is None:
-        if algo.correction_params:
-            problems.append(Problem("algo.correction_params", "set but algo.correction is "
-                                    "not; name a correction (e.g. 'tis_token') or remove them"))
+    if losses is None or problems:
         return problems
+    valid = _names_of("qarl.algo", "loss_params", algo.loss)
+    problems += param_problems("algo.loss_params", algo.loss_params, valid,
+                               registry("qarl.algo", "validate_loss_params"), algo.loss)
+    if algo.aggregation is None:
+        return problems
+    problems += check_name("algo.aggregation", algo.aggregation,
+                           registry("qarl.algo", "AGGREGATIONS"), "aggregation")
+    if valid is not None and "aggregation" not in valid:
+        problems.append(Problem("algo.aggregation", f"loss {algo.loss!r} takes no aggregation; "
+                                                    "remove it"))
+    if "aggregation" in algo.loss_params:
+        problems.append(Problem("algo.aggregation", "also set in algo.loss_params; keep one"))
+    return problems
+
+
+def correction_exists(algo) -> list[Problem]:
+    """algo.correction (if set) is in qarl.algo.CORRECTIONS and algo.correction_params are
+    parameters it accepts; correction_params need a correction."""
+    if algo.correction is None:
+        if not algo.correction_params:
+            return []
+        return [Problem("algo.correction_params", "set but algo.correction is not; name a "
+                                                  "correction (e.g. 'tis_token') or remove them")]
     corrections = registry("qarl.algo", "CORRECTIONS")
-    found = check_name("algo.correction", algo.correction, corrections, "correction")
-    if corrections is not None and not found:
-        # corrections take (old_logp, rollout_logp, mask, **params)
-        found = check_params("algo.correction_params", corrections[algo.correction],
-                             algo.correction_params, skip=3)
-        validator = registry("qarl.algo", "validate_correction_params")
-        found = found or _validate_with("algo.correction_params", validator, algo.correction,
-                                        algo.correction_params)
-    return problems + found
+    problems = check_name("algo.correction", algo.correction, corrections, "correction")
+    if corrections is None or problems:
+        return problems
+    return param_problems("algo.correction_params", algo.correction_params,
+                          _names_of("qarl.algo", "correction_params", algo.correction),
+                          registry("qarl.algo", "validate_correction_params"), algo.correction)
 
 
 def overlong_fits(algo, rollout) -> list[Problem]:
@@ -246,13 +287,15 @@ def tensorboard_available(log) -> list[Problem]:
 
 # (sections it reads, check), in the order problems are reported
 CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
-    (("run", "task"), names_are_well_formed),
+    (("run",), run_name_is_a_folder),
     (("model",), model_exists),
     (("quant",), scheme_exists),
     (("rollout",), batch_is_whole_groups),
     (("rollout", "train"), batch_is_whole_micro_batches),
     (("task",), one_task_source),
-    (("algo",), loss_and_correction_exist),
+    (("task",), reward_exists),
+    (("algo",), loss_exists),
+    (("algo",), correction_exists),
     (("algo", "rollout"), overlong_fits),
     (("train",), schedule_fits),
     (("model", "task", "rollout", "eval"), context_fits),

@@ -149,14 +149,16 @@ class TaskSection(BaseModel):
     )
     options: dict[str, Any] = Field(
         default_factory=dict,
-        description="Keyword options of the built-in task, e.g. {digits = 1}. Names are checked "
-        "against the task.",
+        description="Keyword options of the task, e.g. {digits = 1} for 'addition'; with a "
+        "dataset, options of the 'dataset' task (e.g. {eval_fraction = 0.1}). Names are "
+        "checked against the task.",
     )
     reward: str | None = Field(
         None,
         min_length=1,
-        description="Reward function as 'module:function', called as (prompt, completion, "
-        "**fields) -> float | None. Default: the task's own verifier.",
+        description="Reward: a built-in name from qarl.tasks.REWARDS (e.g. 'math_answer') or "
+        "'module:function', called as (prompt, completion, **fields) -> float | None. "
+        "Default: the task's own verifier.",
     )
     system_prompt: str | None = Field(
         None, description="System message placed before every prompt. Default: none."

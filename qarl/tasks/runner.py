@@ -235,6 +235,7 @@ class RewardRunner:
                     try:
                         index, (outcome, payload) = w.conn.recv()
                     except EOFError:
+                        w.process.join(timeout=1.0)  # reap it, so the exit code is known
                         message = f"reward worker died (exit code {w.process.exitcode})"
                         self._record(result, w.index, "error", message)
                         self._replace(w)

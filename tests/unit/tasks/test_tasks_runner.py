@@ -1,0 +1,112 @@
+"""The reward runner: every call ends in one counted outcome and the pool survives."""
+
+import os
+import time
+
+import pytest
+
+from qarl.tasks import AdditionTask, RewardRunner
+
+USER_REWARDS = '''
+import os, time
+
+def reward(prompt, completion, behavior="ok", **fields):
+    if behavior == "ok":
+        return float(len(completion))
+    if behavior == "none":
+        return None
+    if behavior == "raise":
+        raise ZeroDivisionError("planted failure")
+    if behavior == "hang":
+        time.sleep(60)
+    if behavior == "str":
+        return "high"
+    if behavior == "nan":
+        return float("nan")
+    if behavior == "die":
+        os._exit(3)
+
+def pid(prompt, completion, **fields):
+    return float(os.getpid())
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "qarl_test_user_rewards.py").write_text(USER_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "qarl_test_user_rewards"
+
+
+def _calls(*behaviors):
+    return [("p", "abc", {"behavior": b}) for b in behaviors]
+
+
+def test_outcomes_are_counted_and_the_runner_survives(user_module):
+    """ok / unscorable / error (raise, bad value, dead worker) / timeout are each counted,
+    their rewards are None (never 0), messages are kept, and the runner scores afterwards."""
+    with RewardRunner(f"{user_module}:reward", num_workers=2, timeout_s=0.5) as runner:
+        result = runner.score(_calls("ok", "hang", "raise", "none", "str", "nan", "die", "ok"))
+        assert result.outcomes == ["ok", "timeout", "error", "unscorable", "error", "error",
+                                   "error", "ok"]
+        assert result.rewards == [3.0, None, None, None, None, None, None, 3.0]
+        assert result.counts == {"ok": 2, "unscorable": 1, "error": 4, "timeout": 1}
+        assert "ZeroDivisionError: planted failure" in result.errors[2]
+        assert "returned 'high'" in result.errors[4] and "returned nan" in result.errors[5]
+        assert "worker died (exit code 3)" in result.errors[6]
+        assert "no answer within 0.5 s" in result.errors[1]
+        assert runner.workers_replaced == 2
+        again = runner.score(_calls("ok", "ok", "ok"))
+        assert again.counts["ok"] == 3 and runner.num_workers == 2
+
+
+def test_a_hang_does_not_block_the_other_worker(user_module):
+    """While one worker hangs until its deadline, the other scores the remaining calls."""
+    with RewardRunner(f"{user_module}:reward", num_workers=2, timeout_s=0.5) as runner:
+        start = time.monotonic()
+        result = runner.score(_calls("hang", *["ok"] * 20))
+        assert result.counts == {"ok": 20, "unscorable": 0, "error": 0, "timeout": 1}
+        assert time.monotonic() - start < 5.0
+
+
+def test_workers_persist_between_batches_and_close_cleanly(user_module):
+    """The same worker processes serve consecutive batches; close() ends them all."""
+    runner = RewardRunner(f"{user_module}:pid", num_workers=2, timeout_s=5)
+    first = set(runner.score([("p", "c", {})] * 8).rewards)
+    second = set(runner.score([("p", "c", {})] * 8).rewards)
+    assert first | second <= {float(w.process.pid) for w in runner._workers}
+    assert os.getpid() not in {int(p) for p in first}
+    processes = [w.process for w in runner._workers]
+    runner.close()
+    runner.close()
+    assert all(not p.is_alive() for p in processes)
+    with pytest.raises(RuntimeError, match="closed"):
+        runner.score([("p", "c", {})])
+
+
+def test_builtin_task_rewards_run_in_workers():
+    """A built-in task's reward_spec scores its reference completions 1.0 in the workers."""
+    task = AdditionTask()
+    examples = task.examples("train", 16, seed=0)
+    calls = [(e.prompt, task.reference_completion(e), e.reward_kwargs()) for e in examples]
+    calls.append((examples[0].prompt, "no number here", examples[0].reward_kwargs()))
+    with RewardRunner(task.reward_spec, num_workers=1, timeout_s=5) as runner:
+        result = runner.score(calls)
+    assert result.rewards == [1.0] * 16 + [0.0]
+
+
+def test_inline_mode_counts_errors_without_processes(user_module):
+    """num_workers=0 scores in this process and still counts exceptions as errors."""
+    with RewardRunner(f"{user_module}:reward", num_workers=0) as runner:
+        result = runner.score(_calls("ok", "raise", "none"))
+    assert result.outcomes == ["ok", "error", "unscorable"] and runner.num_workers == 0
+
+
+def test_bad_spec_and_settings_fail_at_construction(user_module):
+    """A reward that cannot load in the worker, or bad settings, raise before any scoring."""
+    with pytest.raises(RuntimeError, match="could not load.*has no attribute"):
+        RewardRunner(f"{user_module}:nope", num_workers=1)
+    with pytest.raises(ValueError, match="num_workers must be.*timeout_s must be"):
+        RewardRunner("addition", num_workers=-1, timeout_s=0)
+    with pytest.raises(ValueError, match="start_method must be one of"):
+        RewardRunner("addition", start_method="fork")

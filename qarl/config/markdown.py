@@ -41,7 +41,7 @@ def type_name(annotation: Any) -> str:
         return " | ".join(toml_value(arg) for arg in args)
     if origin in (typing.Union, types.UnionType):
         names = [type_name(arg) for arg in args if arg is not type(None)]
-        return " | ".join(names) + (" (optional)" if type(None) in args else "")
+        return " | ".join(names)
     if origin is list:
         return f"list of {type_name(args[0])}"
     if origin is dict:

@@ -201,7 +201,8 @@ class AlgoSection(BaseModel):
     loss_params: dict[str, Any] = Field(
         default_factory=dict,
         description="Keyword parameters of the loss (e.g. {eps_high = 4e-4} for tbpo); missing "
-        "ones take the loss's defaults. Names are checked against the loss.",
+        "ones take the loss's defaults (qarl/algo/README.md lists them). Names are checked "
+        "against the loss.",
     )
     correction: str | None = Field(
         None,

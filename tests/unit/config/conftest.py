@@ -21,7 +21,8 @@ lr = 1e-4
 """
 
 _LOSS_PARAMS = {
-    "tbpo": {"eps_low": 3e-4, "eps_high": 4e-4, "is_cap": 2.0, "aggregation": "seq-mean-token-mean"},
+    "tbpo": {"eps_low": 3e-4, "eps_high": 4e-4, "is_cap": 2.0,
+             "aggregation": "seq-mean-token-mean"},
     "grpo": {"eps_low": 0.2, "eps_high": 0.2, "aggregation": "token-mean"},
     "gspo": {"eps_low": 3e-4, "eps_high": 4e-4},
 }
@@ -57,8 +58,15 @@ FAKE_REGISTRIES = {
 @pytest.fixture
 def fake_registries(monkeypatch):
     """Replace the lazy registry lookup of qarl.config.checks by FAKE_REGISTRIES."""
-    monkeypatch.setattr(checks, "registry", lambda module, name: FAKE_REGISTRIES.get((module, name)))
+    monkeypatch.setattr(checks, "registry",
+                        lambda module, name: FAKE_REGISTRIES.get((module, name)))
     return FAKE_REGISTRIES
+
+
+@pytest.fixture
+def base_toml():
+    """A minimal valid recipe (a built-in task and the two required train keys)."""
+    return BASE_TOML
 
 
 @pytest.fixture

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from conftest import BASE_TOML
-
 from qarl.config import ConfigError, load_config
 
-# (id, recipe: a list of overrides applied to BASE_TOML, or a whole TOML text,
+# (id, recipe: a list of overrides applied to the base recipe (conftest.BASE_TOML), or a
+#  TOML text where {base} stands for the base recipe,
 #  fragments the single problem's line must contain)
 BAD_RECIPES = [
     ("typo-key", ["--rollout.max_new_token=8"],
      ["rollout.max_new_token: unknown key 'max_new_token'", "did you mean 'max_new_tokens'?"]),
-    ("typo-section", "[rolout]\ngroup_size = 4\n" + BASE_TOML,
+    ("typo-section", "[rolout]\ngroup_size = 4\n{base}",
      ["rolout: unknown section 'rolout'", "did you mean 'rollout'?"]),
     ("unknown-nested-key", ["--algo.overlong={l_max = 16, l_cache = 4, ramp = 2}"],
      ["algo.overlong.ramp: unknown key 'ramp'", "valid names: l_cache, l_max"]),
@@ -28,11 +27,11 @@ BAD_RECIPES = [
      ["train.steps: should be a valid integer", "(got 'ten')"]),
     ("bool-for-int", ["--rollout.group_size=true"],
      ["rollout.group_size: should be a valid integer", "(got True)"]),
-    ("quoted-number", BASE_TOML + '[rollout]\nbatch_size = "32"\n',
+    ("quoted-number", '{base}[rollout]\nbatch_size = "32"\n',
      ["rollout.batch_size: should be a valid integer", "(got '32')"]),
     ("string-for-list", ["--quant.include=q_proj"],
      ["quant.include: should be a valid list", "(got 'q_proj')"]),
-    ("section-not-table", "rollout = 5\n" + BASE_TOML,
+    ("section-not-table", "rollout = 5\n{base}",
      ["rollout: should be a table [rollout], got 5"]),
     ("override-into-scalar", ["--train.lr.x=1"],
      ["train.lr: is 0.0001, not a table", "'train.lr.x'"]),
@@ -110,20 +109,20 @@ BAD_RECIPES = [
 ]
 
 
-def _load(recipe, write_recipe):
+def _load(recipe, base, write_recipe):
     if isinstance(recipe, list):
-        return load_config(write_recipe(BASE_TOML), recipe)
-    return load_config(write_recipe(recipe))
+        return load_config(write_recipe(base), recipe)
+    return load_config(write_recipe(recipe.replace("{base}", base)))
 
 
 @pytest.mark.parametrize("recipe, fragments", [row[1:] for row in BAD_RECIPES],
                          ids=[row[0] for row in BAD_RECIPES])
-def test_bad_recipe_message(recipe, fragments, write_recipe, fake_registries):
+def test_bad_recipe_message(recipe, fragments, base_toml, write_recipe, fake_registries):
     """Each bad recipe raises ConfigError whose first problem line holds every fragment (the
     field path, the value seen and the hint); one mistake yields exactly one problem, except a
     recipe without [train], which misses both required keys."""
     with pytest.raises(ConfigError) as caught:
-        _load(recipe, write_recipe)
+        _load(recipe, base_toml, write_recipe)
     lines = [str(problem) for problem in caught.value.problems]
     expected = 2 if fragments[0].startswith("train.steps: required") else 1
     assert len(lines) == expected, lines
@@ -137,15 +136,15 @@ def test_table_is_large_enough():
     assert len({row[0] for row in BAD_RECIPES}) == len(BAD_RECIPES) >= 25
 
 
-def test_base_recipe_is_valid(write_recipe, fake_registries):
+def test_base_recipe_is_valid(base_toml, write_recipe, fake_registries):
     """The base every override row starts from loads cleanly, so each row's problem is its own."""
-    config = load_config(write_recipe(BASE_TOML))
+    config = load_config(write_recipe(base_toml))
     assert config.task.name == "addition" and config.train.steps == 2
 
 
-def test_every_problem_at_once(write_recipe, fake_registries):
+def test_every_problem_at_once(base_toml, write_recipe, fake_registries):
     """A recipe with 3 problems in 3 different places reports all 3 in one ConfigError."""
-    text = BASE_TOML.replace("steps = 2", "steps = 2\nsetps = 3") + (
+    text = base_toml.replace("steps = 2", "steps = 2\nsetps = 3") + (
         "[rollout]\nbatch_size = 30\n\n[algo]\nloss = \"tbp\"\n"
     )
     with pytest.raises(ConfigError) as caught:
@@ -155,17 +154,17 @@ def test_every_problem_at_once(write_recipe, fake_registries):
     assert str(caught.value).startswith("3 problems in ")
 
 
-def test_bad_section_does_not_hide_others(write_recipe, fake_registries):
+def test_bad_section_does_not_hide_others(base_toml, write_recipe, fake_registries):
     """A type error in [rollout] still lets [algo]'s registry check run and report."""
     with pytest.raises(ConfigError) as caught:
-        load_config(write_recipe(BASE_TOML), ["--rollout.top_k=-1", "--algo.loss=tbp"])
+        load_config(write_recipe(base_toml), ["--rollout.top_k=-1", "--algo.loss=tbp"])
     assert [p.path for p in caught.value.problems] == ["rollout.top_k", "algo.loss"]
 
 
-def test_typo_of_a_required_key(write_recipe, fake_registries):
+def test_typo_of_a_required_key(base_toml, write_recipe, fake_registries):
     """A misspelt required key gives both its suggestion and the missing original."""
     with pytest.raises(ConfigError) as caught:
-        load_config(write_recipe(BASE_TOML), ["--algo.overlong={l_max = 16, l_cach = 4}"])
+        load_config(write_recipe(base_toml), ["--algo.overlong={l_max = 16, l_cach = 4}"])
     assert [str(p) for p in caught.value.problems] == [
         "algo.overlong.l_cach: unknown key 'l_cach'; did you mean 'l_cache'?",
         "algo.overlong.l_cache: required but missing; set it in the recipe",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from qarl.tasks.base import Example, check_options, check_split_args, split_of
+from qarl.tasks.base import Example, RewardFn, check_options, check_split_args, split_of
 from qarl.tasks.datasets import DatasetReport, load_dataset
 from qarl.tasks.rewards import load_reward, resolve_spec
 
@@ -32,12 +32,16 @@ class DatasetTask:
             problems.append(f"path must name a .jsonl or .parquet file, got {path!r}")
         if not (isinstance(eval_fraction, float | int) and 0 <= eval_fraction < 1):
             problems.append(f"eval_fraction must be in [0, 1), got {eval_fraction!r}")
-        if max_prompt_len is not None and not (isinstance(max_prompt_len, int) and max_prompt_len > 0):
-            problems.append(f"max_prompt_len must be a positive integer or None, got {max_prompt_len!r}")
+        if max_prompt_len is not None and not (
+            isinstance(max_prompt_len, int) and max_prompt_len > 0
+        ):
+            problems.append(
+                f"max_prompt_len must be a positive integer or None, got {max_prompt_len!r}"
+            )
         check_options("dataset", problems)
         self.name = "dataset"
         self.reward_spec = resolve_spec(reward)
-        self._reward = load_reward(self.reward_spec)
+        self._reward: RewardFn | None = None  # loaded on first use: the trainer scores in workers
         rows, self.report = load_dataset(path, max_prompt_len)
         self.eval_report: DatasetReport | None = None
         if eval_path is not None:
@@ -65,6 +69,8 @@ class DatasetTask:
         return [pool[i % len(pool)] for i in range(n)]
 
     def reward(self, prompt: str, completion: str, **fields: Any) -> float | None:
+        if self._reward is None:
+            self._reward = load_reward(self.reward_spec)
         return self._reward(prompt, completion, **fields)
 
     def reference_completion(self, example: Example) -> str:

@@ -102,7 +102,8 @@ def row_problem(
         system is None or isinstance(system, str)
     ):
         return "wrong_type"
-    if not (answer is None or (isinstance(answer, str | int | float) and not isinstance(answer, bool))):
+    answer_is_text_or_number = isinstance(answer, str | int | float) and not isinstance(answer, bool)
+    if not (answer is None or answer_is_text_or_number):
         return "wrong_type"
     if _blank(prompt):
         return "empty_prompt"
@@ -142,10 +143,8 @@ def load_dataset(
             report.add_bad(problem, number)
             continue
         extra = {k: v for k, v in row.items() if k not in ("prompt", "answer", "system")}
-        examples.append(
-            Example(prompt=row["prompt"], answer=str(row["answer"]).strip(),
-                    system=row.get("system"), fields=extra)
-        )
+        answer = str(row["answer"]).strip()
+        examples.append(Example(row["prompt"], answer, row.get("system"), extra))
     report.kept = len(examples)
     if not examples:
         raise ValueError(f"no usable rows in dataset: {report.summary()}")

@@ -12,19 +12,19 @@ one call at a time over its own pipe. Every call ends in exactly one outcome:
               killed and replaced, the other calls go on
 
 Rewards of error/timeout calls are None (never a silent 0); the counts come back with them.
-Workers start with "forkserver" (Linux default here) or "spawn": never "fork", which is unsafe
-once the parent has loaded torch and its thread pools. `num_workers=0` scores inline in the
-calling process (no process start-up; exceptions are still counted, but deadlines cannot be
-enforced): for tests and debugging.
+Workers are fresh interpreters (see `qarl.tasks.worker`), not forks: safe
+when the parent has torch loaded, and the parent's `__main__` is never re-imported.
+`num_workers=0` scores inline in the calling process (no process start-up; exceptions are still
+counted, but deadlines cannot be enforced): for tests and debugging.
 """
 
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
+import os
+import subprocess
 import sys
 import time
-import traceback
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,9 +32,9 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from qarl.tasks.rewards import load_reward, resolve_spec
+from qarl.tasks.worker import ENTRY, score_one
 
 OUTCOMES = ("ok", "unscorable", "error", "timeout")
-START_METHODS = ("forkserver", "spawn")
 
 Call = tuple[str, str, dict[str, Any]]  # (prompt, completion, reward fields)
 
@@ -54,69 +54,38 @@ class RewardResult:
         return {o: self.outcomes.count(o) for o in OUTCOMES}
 
 
-def _describe(exc: BaseException) -> str:
-    """'Type: message (at file:line in function)' of an exception raised by a reward."""
-    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    frames = traceback.extract_tb(exc.__traceback__)
-    if frames:
-        last = frames[-1]
-        text += f" (at {last.filename}:{last.lineno} in {last.name})"
-    return text
-
-
-def score_one(fn: Any, prompt: str, completion: str, fields: dict[str, Any]) -> tuple[str, Any]:
-    """(outcome, reward or error message) of one reward call, exceptions included."""
-    try:
-        value = fn(prompt, completion, **fields)
-    except Exception as e:  # a user reward may raise anything; it becomes a counted outcome
-        return "error", _describe(e)
-    if value is None:
-        return "unscorable", None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        return "error", (
-            f"reward returned {value!r} ({type(value).__name__}); a reward returns a finite "
-            "float, or None when the completion cannot be scored"
-        )
-    return "ok", float(value)
-
-
-def _worker_main(spec: str, conn: Connection, parent_sys_path: list[str]) -> None:
-    """Worker loop: load the reward, report ready, then answer (index, call) until None."""
-    # A forkserver child inherits the server's sys.path, frozen when the server started;
-    # the parent's current one is what a user's "module:function" was written against.
-    sys.path[:] = parent_sys_path
-    try:
-        fn = load_reward(spec)
-    except Exception as e:
-        conn.send(("init_error", _describe(e)))
-        return
-    conn.send(("ready", None))
-    while True:
-        job = conn.recv()
-        if job is None:
-            return
-        index, (prompt, completion, fields) = job
-        conn.send((index, score_one(fn, prompt, completion, fields)))
-
-
 class _Worker:
-    """One worker process, its pipe, and the call it is running (if any)."""
+    """One worker process (see `qarl.tasks.worker`), its pipes, and its call in flight."""
 
-    def __init__(self, ctx: Any, spec: str) -> None:
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(
-            target=_worker_main, args=(spec, child, list(sys.path)), daemon=True
+    def __init__(self, spec: str) -> None:
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", ENTRY, str(to_child_r), str(from_child_w)],
+            pass_fds=(to_child_r, from_child_w),
+            stdin=subprocess.DEVNULL,
         )
-        self.process.start()
-        child.close()
+        os.close(to_child_r)
+        os.close(from_child_w)
+        self.outbox = Connection(to_child_w, readable=False)
+        self.inbox = Connection(from_child_r, writable=False)
+        self.outbox.send((spec, list(sys.path)))
         self.ready = False
         self.index: int | None = None  # call in flight
         self.deadline = math.inf
 
+    def exit_code(self) -> int | None:
+        """The exit code once the process has ended (waits up to 1 s for it), else None."""
+        try:
+            return self.process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            return None
+
     def kill(self) -> None:
         self.process.kill()
-        self.process.join()
-        self.conn.close()
+        self.process.wait()
+        self.inbox.close()
+        self.outbox.close()
 
 
 class RewardRunner:
@@ -132,24 +101,22 @@ class RewardRunner:
         reward_fn_spec: str,
         num_workers: int = 2,
         timeout_s: float = 10.0,
-        start_method: str = "forkserver",
         startup_timeout_s: float = 60.0,
     ) -> None:
         problems = []
         if not (isinstance(num_workers, int) and num_workers >= 0):
-            problems.append(f"num_workers must be an integer >= 0 (0 = inline), got {num_workers!r}")
+            problems.append(
+                f"num_workers must be an integer >= 0 (0 = inline), got {num_workers!r}"
+            )
         if not (isinstance(timeout_s, int | float) and timeout_s > 0):
             problems.append(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
-        if start_method not in START_METHODS:
-            problems.append(f"start_method must be one of {sorted(START_METHODS)}, got {start_method!r}")
         if problems:
             raise ValueError("invalid RewardRunner settings: " + "; ".join(problems))
         self.spec = resolve_spec(reward_fn_spec)
         self.timeout_s, self.startup_timeout_s = float(timeout_s), startup_timeout_s
         self.workers_replaced = 0
-        self._ctx = mp.get_context(start_method)
         self._inline_fn = load_reward(self.spec) if num_workers == 0 else None
-        self._workers = [_Worker(self._ctx, self.spec) for _ in range(num_workers)]
+        self._workers = [_Worker(self.spec) for _ in range(num_workers)]
         self._closed = False
         try:
             self._await_ready()
@@ -167,17 +134,17 @@ class RewardRunner:
         for w in self._workers:
             if w.ready:
                 continue
-            if not w.conn.poll(max(0.0, deadline - time.monotonic())):
+            if not w.inbox.poll(max(0.0, deadline - time.monotonic())):
                 raise RuntimeError(
                     f"reward worker for {self.spec!r} did not start within "
                     f"{self.startup_timeout_s} s; raise startup_timeout_s if its imports are slow"
                 )
             try:
-                kind, message = w.conn.recv()
+                kind, message = w.inbox.recv()
             except EOFError:
                 raise RuntimeError(
                     f"reward worker for {self.spec!r} exited during start-up "
-                    f"(exit code {w.process.exitcode})"
+                    f"(exit code {w.exit_code()})"
                 ) from None
             if kind == "init_error":
                 raise RuntimeError(f"reward worker could not load {self.spec!r}: {message}")
@@ -185,7 +152,7 @@ class RewardRunner:
 
     def _replace(self, worker: _Worker) -> None:
         worker.kill()
-        self._workers[self._workers.index(worker)] = _Worker(self._ctx, self.spec)
+        self._workers[self._workers.index(worker)] = _Worker(self.spec)
         self.workers_replaced += 1
 
     def score(self, calls: Sequence[Call]) -> RewardResult:
@@ -220,7 +187,7 @@ class RewardRunner:
                     w.index = pending.popleft()
                     w.deadline = time.monotonic() + self.timeout_s
                     try:
-                        w.conn.send((w.index, calls[w.index]))
+                        w.outbox.send((w.index, calls[w.index]))
                     except (BrokenPipeError, ConnectionResetError):
                         # Died between calls: not this call's doing, so it goes back in line.
                         pending.appendleft(w.index)
@@ -229,14 +196,13 @@ class RewardRunner:
             if not busy:
                 continue
             nearest = min(w.deadline for w in busy)
-            ready = wait([w.conn for w in busy], timeout=max(0.0, nearest - time.monotonic()))
+            ready = wait([w.inbox for w in busy], timeout=max(0.0, nearest - time.monotonic()))
             for w in busy:
-                if w.conn in ready:
+                if w.inbox in ready:
                     try:
-                        index, (outcome, payload) = w.conn.recv()
+                        index, (outcome, payload) = w.inbox.recv()
                     except EOFError:
-                        w.process.join(timeout=1.0)  # reap it, so the exit code is known
-                        message = f"reward worker died (exit code {w.process.exitcode})"
+                        message = f"reward worker died (exit code {w.exit_code()})"
                         self._record(result, w.index, "error", message)
                         self._replace(w)
                     else:
@@ -255,17 +221,17 @@ class RewardRunner:
             return
         self._closed = True
         for w in self._workers:
-            if w.process.is_alive() and w.index is None:
+            if w.process.poll() is None and w.index is None:
                 try:
-                    w.conn.send(None)
+                    w.outbox.send(None)
                 except (BrokenPipeError, OSError):
                     pass
         for w in self._workers:
-            w.process.join(timeout=5.0)
-            if w.process.is_alive():
-                w.process.kill()
-                w.process.join()
-            w.conn.close()
+            try:
+                w.process.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                pass
+            w.kill()
 
     def __enter__(self) -> "RewardRunner":
         return self

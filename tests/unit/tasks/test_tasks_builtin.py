@@ -178,3 +178,13 @@ def test_reward_kwargs_keep_fields_but_not_positional_names():
     """Example.reward_kwargs passes extra fields and the answer, never prompt/completion."""
     ex = Example(prompt="p", answer="1", fields={"level": 3, "completion": "ref"})
     assert ex.reward_kwargs() == {"level": 3, "answer": "1"}
+
+
+def test_importing_tasks_loads_neither_torch_nor_sympy():
+    """qarl.tasks stays light for reward workers: no torch, no sympy (math-verify) on import."""
+    import subprocess
+    import sys
+
+    code = "import qarl.tasks, sys; print('torch' in sys.modules, 'sympy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]

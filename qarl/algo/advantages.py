@@ -71,7 +71,9 @@ def group_advantages(
     # std_g = sqrt( Σ_k (r − mean_g)² / (n_g − 1) )
     std = torch.sqrt((centered**2).sum(dim=1) / (n - 1.0).clamp_min(1.0))  # [G]
     big = torch.tensor(math.inf)
-    spread = torch.where(scorable, groups, big).amin(dim=1) != torch.where(scorable, groups, -big).amax(dim=1)
+    lowest = torch.where(scorable, groups, big).amin(dim=1)  # [G]
+    highest = torch.where(scorable, groups, -big).amax(dim=1)  # [G]
+    spread = lowest != highest  # [G] bool
     all_equal = ~spread | (n < 2)  # [G] bool
     if mode == "grpo":
         # A = (r − mean_g) / (std_g + eps)

@@ -225,7 +225,7 @@ def metrics_to_floats(metrics: Mapping[str, Tensor | float]) -> dict[str, float]
 
 
 def approx_kl(logp: Tensor, old_logp: Tensor, valid: Tensor) -> Tensor:  # [] float32
-    """Token-mean k3 estimate of KL(π_old ‖ π_θ) on tokens sampled from π_old (Schulman 2020)."""
+    """Token-mean k3 estimate of KL(π_old ‖ π_θ) on tokens sampled from π_old (Schulman)."""
     log_r = masked_log_ratio(logp.detach(), old_logp.detach(), valid).float()  # [N, L]
     # k3 = (r − 1) − log r,  r = π_θ / π_old ; always >= 0
     k3 = bounded_exp(log_r) - 1.0 - log_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)

@@ -216,7 +216,8 @@ def opsm(
     """Off-policy sequence masking (DeepSeek-V3.2): drop a negative-advantage sequence whose
     mean_t log(π_μ / π_θ) exceeds delta. π_θ is `logp` when given (detached), else `old_logp`
     (equal at the first step on a batch; using old_logp keeps the mask known before the
-    optimizer step, which micro-batch invariance needs). Reported ratio: exp(mean log(π_θ/π_μ))."""
+    optimizer step, which micro-batch invariance needs).
+    Reported ratio: exp(mean_t log(π_θ / π_μ))."""
     check_params("opsm", delta=delta)
     if advantages is None:
         raise ValueError("opsm needs `advantages` ([N] float): it only drops sequences with A < 0")

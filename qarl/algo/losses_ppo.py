@@ -23,7 +23,15 @@ import torch
 from torch import Tensor
 
 from qarl.algo.aggregation import aggregate
-from qarl.algo.common import approx_kl, as_valid, bounded_exp, check_params, frac, masked_log_ratio, stats
+from qarl.algo.common import (
+    approx_kl,
+    as_valid,
+    bounded_exp,
+    check_params,
+    frac,
+    masked_log_ratio,
+    stats,
+)
 
 
 def ppo_clip_loss(
@@ -87,7 +95,9 @@ def grpo_loss(
     num_seqs: Tensor | float | int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO (Shao et al. 2024): token PPO clip ε = 0.2, mean over tokens then sequences."""
-    check_params("grpo", eps_low=eps_low, eps_high=eps_high, aggregation=aggregation, norm_len=norm_len)
+    check_params(
+        "grpo", eps_low=eps_low, eps_high=eps_high, aggregation=aggregation, norm_len=norm_len
+    )
     return ppo_clip_loss(
         logp, old_logp, rollout_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high,
         clip_c=None, aggregation=aggregation, norm_len=norm_len, is_weights=is_weights,
@@ -112,7 +122,9 @@ def dr_grpo_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Dr.GRPO (Liu et al. 2025): token sum over a constant length, no per-response length
     normalization (pair it with `group_advantages(mode="dr_grpo")`, no std scaling)."""
-    check_params("dr_grpo", eps_low=eps_low, eps_high=eps_high, aggregation=aggregation, norm_len=norm_len)
+    check_params(
+        "dr_grpo", eps_low=eps_low, eps_high=eps_high, aggregation=aggregation, norm_len=norm_len
+    )
     return ppo_clip_loss(
         logp, old_logp, rollout_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high,
         clip_c=None, aggregation=aggregation, norm_len=norm_len, is_weights=is_weights,
@@ -137,7 +149,9 @@ def dapo_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """DAPO (Yu et al. 2025): clip-higher (0.2 / 0.28) and a token mean over the batch.
     Dynamic sampling and overlong shaping live in `qarl.algo.advantages`."""
-    check_params("dapo", eps_low=eps_low, eps_high=eps_high, aggregation=aggregation, norm_len=norm_len)
+    check_params(
+        "dapo", eps_low=eps_low, eps_high=eps_high, aggregation=aggregation, norm_len=norm_len
+    )
     return ppo_clip_loss(
         logp, old_logp, rollout_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high,
         clip_c=None, aggregation=aggregation, norm_len=norm_len, is_weights=is_weights,

@@ -68,7 +68,9 @@ def gspo_loss(
     num_seqs: Tensor | float | int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025): PPO clip on the geometric-mean sequence ratio, 3e-4 / 4e-4."""
-    check_params("gspo", eps_low=eps_low, eps_high=eps_high, aggregation=aggregation, norm_len=norm_len)
+    check_params(
+        "gspo", eps_low=eps_low, eps_high=eps_high, aggregation=aggregation, norm_len=norm_len
+    )
     valid = as_valid(mask)  # [N, L] bool
     has_tokens = valid.any(dim=1)  # [N] bool
     s = sequence_ratio(logp, old_logp.detach(), valid)  # [N]
@@ -132,7 +134,7 @@ def tbpo_loss(
     adv = advantages.detach().to(s.dtype)  # [N]
     # A ≥ 0:  ℓ_i = max( −s_i·A_i , −clip(s_i, 1−ε_l, 1+ε_h)·A_i )
     loss_pos = torch.maximum(-adv * s, -adv * s.clamp(1.0 - eps_low, 1.0 + eps_high))  # [N]
-    # A < 0:  ℓ_i = −clip(s_i, 1−ε_l⁻, 1+ε_h⁻)·A_i   (no gradient outside the band, either side)
+    # A < 0:  ℓ_i = −clip(s_i, 1−ε_l⁻, 1+ε_h⁻)·A_i   (no gradient outside it, on either side)
     loss_neg = -adv * s.clamp(1.0 - neg_eps_low, 1.0 + neg_eps_high)  # [N]
     per_seq = w * torch.where(adv >= 0, loss_pos, loss_neg)  # [N]
     per_token = _broadcast(per_seq, valid)  # [N, L]

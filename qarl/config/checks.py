@@ -165,7 +165,8 @@ def reward_exists(task) -> list[Problem]:
 
 
 def scheme_exists(quant) -> list[Problem]:
-    """quant.scheme is 'none' or a name in qarl.quant.SCHEMES; 'none' takes no options."""
+    """quant.scheme is 'none' or a name in qarl.quant.SCHEMES; quant.options are options the
+    scheme takes; 'none' takes no options."""
     if quant.scheme == "none":
         if quant.options:
             return [Problem("quant.options", "set while quant.scheme is 'none' (full "
@@ -174,8 +175,12 @@ def scheme_exists(quant) -> list[Problem]:
     schemes = registry("qarl.quant", "SCHEMES")
     problems = check_name("quant.scheme", quant.scheme, schemes, "scheme", extra=("none",))
     if schemes is not None and not problems:
-        problems += param_problems("quant.options", quant.options,
-                                   signature_params(schemes[quant.scheme]))
+        # the quant package's own lister if it has one (like algo's loss_params), else the
+        # scheme's signature when it is a function or class
+        valid = _names_of("qarl.quant", "scheme_options", quant.scheme)
+        if valid is None:
+            valid = signature_params(schemes[quant.scheme])
+        problems += param_problems("quant.options", quant.options, valid)
     return problems
 
 

@@ -36,7 +36,7 @@ class RunSection(BaseModel):
     resume: bool = Field(
         True,
         description="Resume from the last checkpoint in the run folder if there is one; "
-        "false starts over (the folder's old checkpoints are then replaced).",
+        "false starts from step 0 even when checkpoints exist.",
     )
 
 

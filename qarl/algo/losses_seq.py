@@ -127,8 +127,8 @@ def tbpo_loss(
     has_tokens = valid.any(dim=1)  # [N] bool
     rho, band = tbpo_band(old_logp, rollout_logp, valid, band_low, band_high)  # [N], [N]
     kept = has_tokens & band  # [N] bool
-    # w_i = sg( min(ρ_i, C) )
-    w = rho.clamp(max=is_cap).to(logp.dtype)  # [N], built from detached inputs
+    # w_i = sg( min(ρ_i, C) ); 0 on dropped rows so a NaN ρ cannot reach the gradient
+    w = torch.where(kept, rho.clamp(max=is_cap), 0.0).to(logp.dtype)  # [N], no grad
     # s_i = exp( mean_t [logp_θ − logp_old] )
     s = sequence_ratio(logp, old_logp.detach(), valid)  # [N]
     adv = advantages.detach().to(s.dtype)  # [N]

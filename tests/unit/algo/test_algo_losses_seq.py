@@ -156,3 +156,15 @@ def test_product_form_sequence_ratio_is_not_length_safe():
     geo2 = CORRECTIONS["tis_seq"](_doubled(old), _doubled(mu), _doubled(mask))
     geo_ratio = geo.metrics["ratio_mean"].item()
     assert geo2.metrics["ratio_mean"].item() == pytest.approx(geo_ratio, rel=1e-6)
+
+
+def test_tbpo_nan_mismatch_is_dropped_without_poisoning_gradients():
+    """A sequence whose sampler logprobs are NaN has ρ = NaN: it falls outside the band and
+    the other sequences' loss and gradients stay finite (its own gradient is exactly 0)."""
+    logp, old, mu, adv, mask = _rows([[1e-4, 1e-4], [1e-4, 1e-4]], [1.0, 1.0])
+    mu[0, 0] = float("nan")
+    loss, m = LOSSES["tbpo"](logp, old, mu, adv, mask)
+    loss.backward()
+    assert loss.item() == pytest.approx(-math.exp(1e-4), abs=1e-12)
+    assert torch.equal(logp.grad[0], torch.zeros(2, **F64))
+    assert torch.isfinite(logp.grad).all() and m["band_drop_frac"].item() == 0.5

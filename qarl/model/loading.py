@@ -26,6 +26,17 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Keys some checkpoints carry that are recomputed, never learned.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# config.json keys that describe the file, not the model; dropped on load, save_model
+# writes `dtype` afresh.
+_METADATA_KEYS = ("dtype", "torch_dtype", "transformers_version", "_name_or_path", "_model_name_or_path")
+# Keys whose other values would change the computation: key -> accepted values (first =
+# default). Checked, then dropped: they hold nothing a supported model can vary.
+_REQUIRED_VALUES = {
+    "hidden_act": ("silu",),
+    "mlp_bias": (False,),
+    "use_sliding_window": (False,),
+    "pretraining_tp": (1,),
+}
 
 
 def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM:
@@ -63,7 +74,14 @@ def read_hf_config(folder: Path) -> dict:
 def model_config_from_hf(hf_config: dict, source: Path) -> ModelConfig:
     """`ModelConfig.from_hf`, filling `architectures` from `model_type` when it is absent
     (configs written by `PretrainedConfig.save_pretrained` or read from GGUF lack it)."""
-    hf_config = dict(hf_config)
+    hf_config = {k: v for k, v in hf_config.items() if k not in _METADATA_KEYS}
+    unsupported = {k: hf_config[k] for k, ok in _REQUIRED_VALUES.items() if hf_config.get(k, ok[0]) not in ok}
+    if unsupported:
+        raise ValueError(
+            f"cannot load {source}: config.json sets {unsupported}, which qarl's decoder does not "
+            f"implement (supported: {_REQUIRED_VALUES})"
+        )
+    hf_config = {k: v for k, v in hf_config.items() if k not in _REQUIRED_VALUES}
     by_family = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
     if not hf_config.get("architectures") and hf_config.get("model_type") in by_family:
         hf_config["architectures"] = [by_family[hf_config["model_type"]]]
@@ -160,10 +178,10 @@ def read_gguf(path: Path, dtype: torch.dtype) -> tuple[dict, dict[str, Tensor]]:
         hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     except ValueError as err:  # transformers names the GGUF architecture it cannot read
         raise ValueError(f"cannot read {path}: {err}; qarl runs {sorted(SUPPORTED_ARCHITECTURES)}") from err
-    model_config_from_hf(hf_config.to_dict(), source=path)  # fail early on unsupported families
+    model_config_from_hf(hf_config.to_diff_dict(), source=path)  # fail early on unsupported families
     # transformers maps GGUF tensor names to HF names through a model instance; a meta
     # one costs no memory.
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(hf_config)
     parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf_model, torch_dtype=dtype)
-    return hf_config.to_dict(), parsed["tensors"]
+    return hf_config.to_diff_dict(), parsed["tensors"]

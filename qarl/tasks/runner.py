@@ -178,6 +178,9 @@ class RewardRunner:
             result.errors[index] = payload
 
     def _score_in_workers(self, calls: Sequence[Call], result: RewardResult) -> None:
+        for w in list(self._workers):
+            if w.index is not None:  # left busy by a score() that raised: its answer is stale
+                self._replace(w)
         pending = deque(range(len(calls)))
         remaining = len(calls)
         while remaining:

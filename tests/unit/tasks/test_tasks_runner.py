@@ -125,3 +125,13 @@ def test_works_from_a_script_without_a_main_guard(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          timeout=60, check=True)
     assert out.stdout.strip() == "[1.0]"
+
+
+def test_an_interrupted_batch_does_not_leak_into_the_next(user_module):
+    """If score() raises mid-batch (here: an unpicklable field), the next batch gets only its
+    own answers: the worker left busy is replaced."""
+    with RewardRunner(f"{user_module}:reward", num_workers=1, timeout_s=5) as runner:
+        with pytest.raises(Exception):
+            runner.score([("p", "abc", {"behavior": "ok", "bad": lambda: 0})])
+        result = runner.score(_calls("ok", "none"))
+        assert result.outcomes == ["ok", "unscorable"] and result.rewards == [3.0, None]

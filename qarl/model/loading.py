@@ -46,13 +46,9 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> 
     path = resolve(name_or_path)
     if path.suffix == ".gguf":
         hf_config, state = read_gguf(path, dtype)
-    else:
-        hf_config = read_hf_config(path)
-        state = None
-    config = model_config_from_hf(hf_config, source=path)
-    if state is None:
-        state = read_safetensors(path)
-    return build_model(config, state, dtype, source=path)
+        return build_model(model_config_from_hf(hf_config, source=path), state, dtype, source=path)
+    config = model_config_from_hf(read_hf_config(path), source=path)  # before reading weights
+    return build_model(config, read_safetensors(path), dtype, source=path)
 
 
 def read_hf_config(folder: Path) -> dict:

@@ -160,10 +160,14 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        # A plain fp32 attribute, not a buffer: `.to(torch.bfloat16)` must not round the RoPE
+        # frequencies (HF keeps them fp32 too); moved to the positions' device on use.
+        self.inv_freq = rope_inverse_frequencies(config)  # [head_dim / 2] float32
 
     def rope(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
         # positions: [B, T] int64 -> cos, sin: [B, 1, T, head_dim]
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[:, :, None].float() * self.inv_freq[None, None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)

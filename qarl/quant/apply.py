@@ -1,0 +1,135 @@
+"""Whole-model verbs: quantize_model, export_state, load_state, describe.
+
+Layer selection uses fnmatch patterns over module names (`model.layers.*.mlp.*`, `lm_head`).
+Default: every nn.Linear inside the blocks (`model.layers.*`); `lm_head` is opt-in through
+`include`. Embeddings stay full precision (they are a lookup, not a matmul).
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatch
+
+import torch
+from torch import Tensor, nn
+
+from qarl.quant.linear import QuantLinear, check_mode
+from qarl.quant.qweight import QWeight
+from qarl.quant.schemes import Scheme, make_scheme
+
+DEFAULT_INCLUDE = ("model.layers.*",)
+
+
+def _selected(name: str, include, exclude) -> bool:
+    return any(fnmatch(name, p) for p in include) and not any(fnmatch(name, p) for p in exclude)
+
+
+def quantize_model(
+    model: nn.Module,
+    scheme: str | Scheme,
+    mode: str = "kernel",
+    include: list[str] | tuple[str, ...] | None = None,
+    exclude: list[str] | tuple[str, ...] | None = None,
+    **options,
+) -> nn.Module:
+    """Swap the selected nn.Linear layers for QuantLinear(scheme, mode), in place; returns model.
+
+    `options` go to the scheme (e.g. group_size=128, symmetric=False for the int4 formats).
+    Layers already quantized are switched to the new scheme/mode. Raises if nothing matched.
+    """
+    scheme = make_scheme(scheme, **options)
+    check_mode(mode)
+    include = tuple(include) if include is not None else DEFAULT_INCLUDE
+    exclude = tuple(exclude or ())
+    swapped = 0
+    for name, module in list(model.named_modules()):
+        if not name or not _selected(name, include, exclude):
+            continue
+        if isinstance(module, QuantLinear):
+            module.scheme, module.mode = scheme, mode
+            module._qweight = module._qweight_key = module._dequantized = None
+            swapped += 1
+        elif type(module) is nn.Linear:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, QuantLinear.from_linear(module, scheme, mode))
+            swapped += 1
+    if swapped == 0:
+        raise ValueError(
+            f"quantize_model matched no nn.Linear with include={list(include)} "
+            f"exclude={list(exclude)}; linear layers in this model look like "
+            f"{[n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:4]}"
+        )
+    return model
+
+
+def quant_layers(model: nn.Module) -> dict[str, QuantLinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def export_state(model: nn.Module) -> dict[str, Tensor | QWeight]:
+    """Everything an engine needs: `<layer>.weight` -> QWeight for each QuantLinear (quantized
+    once per weight version), every other parameter / persistent buffer as a tensor."""
+    layers = quant_layers(model)
+    state: dict[str, Tensor | QWeight] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        owner, _, leaf = key.rpartition(".")
+        if owner in layers and leaf == "weight":
+            state[key] = layers[owner].qweight()
+        else:
+            state[key] = value.detach()
+    return state
+
+
+def load_state(model: nn.Module, state: dict[str, Tensor | QWeight], strict: bool = True) -> None:
+    """Install `state` (from export_state): QWeights go into their QuantLinear as-is, never
+    re-quantized; tensors are copied into parameters/buffers. Tensors are copied first, so a
+    weight tied to a quantized layer (embedding / lm_head) does not invalidate its QWeight.
+    """
+    layers = quant_layers(model)
+    targets = model.state_dict(keep_vars=True)
+    unknown = sorted(set(state) - set(targets))
+    missing = sorted(set(targets) - set(state)) if strict else []
+    if unknown or missing:
+        raise KeyError(
+            f"load_state: {len(unknown)} unknown name(s) {unknown[:5]}, {len(missing)} missing "
+            f"name(s) {missing[:5]}; the state must come from export_state of the same "
+            f"architecture (pass strict=False for a partial update)"
+        )
+    qweights = {}
+    with torch.no_grad():
+        for key, value in state.items():
+            if isinstance(value, QWeight):
+                owner, _, leaf = key.rpartition(".")
+                if owner not in layers or leaf != "weight":
+                    raise TypeError(
+                        f"load_state: {key!r} holds a QWeight but is not the weight of a "
+                        f"QuantLinear; quantize the engine model with the learner's "
+                        f"quantize_model call first"
+                    )
+                qweights[owner] = value
+                continue
+            target = targets[key]
+            if target.shape != value.shape:
+                raise ValueError(
+                    f"load_state: {key!r} has shape {tuple(value.shape)}, the model expects "
+                    f"{tuple(target.shape)}"
+                )
+            target.copy_(value)
+    for owner, qw in qweights.items():
+        layers[owner].install(qw)
+
+
+def describe(model: nn.Module) -> dict[str, str]:
+    """{layer name: "scheme/mode: kernel path and why"} for every QuantLinear (for logs)."""
+    return {
+        name: f"{layer.scheme.name}/{layer.mode}: {layer.kernel_path()}"
+        for name, layer in quant_layers(model).items()
+    }
+
+
+def set_mode(model: nn.Module, mode: str) -> nn.Module:
+    """Switch every QuantLinear to `mode` (keeps schemes and cached QWeights)."""
+    check_mode(mode)
+    for layer in quant_layers(model).values():
+        layer.mode = mode
+    return model

@@ -1,0 +1,133 @@
+"""Matmul kernels, each BATCH-INVARIANT: row i of the output has the same bits whatever the
+other rows are and however many there are (the engine decodes 1 row per sequence, the learner
+runs N*L rows at once; QaRL needs both to produce identical bits).
+
+How each kernel earns invariance:
+- `exact_int8_gemm`: integer codes, so the dot product is exact in any summation order.
+  `torch._int_mm` computes it in int32; `sgemm` computes it in fp32 on integer-valued floats
+  in K-chunks of at most 1024 (|q| <= 127, so every partial sum is an integer below
+  1024 * 127^2 < 2^24 and fp32 represents it exactly), then adds chunks in int32. Both give
+  the same int32 result; sgemm is much faster on CPUs without VNNI (see README).
+- `exact_fp8_gemm` / `exact_fp8_block_gemm`: every E4M3 value is a multiple of 2^-9 below
+  2^9, so a product is a multiple of 2^-18 below 2^18 and a sum of up to 2^17 of them is exact
+  in fp64 (53-bit significand): fp64 matmul over E4M3 values is the exact dot product.
+- `int4pack_mm`: PyTorch's CPU int4 kernel, measured invariant (tests check it per shape).
+- `batch_invariant_linear`: arbitrary floats, no exact formulation. Rows are processed in
+  fixed tiles of BI_TILE rows (zero-padded), one `torch.mm` per tile, so every row goes through
+  a GEMM call of the same shape [BI_TILE, K] x [K, N]; tested invariant over shapes/positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+BI_TILE = 16  # rows per GEMM call in batch_invariant_linear
+INT8_SGEMM_CHUNK = 1024  # 1024 * 127 * 127 < 2^24: fp32 partial sums stay exact integers
+EXACT_ROW_CHUNK = 256  # rows per fp64 call in the FP8 emulation (bounds its memory)
+
+
+def batch_invariant_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """y = x w^T (+ b) with row-wise bits independent of the batch. x [M, K], w [N, K] -> [M, N].
+
+    Computed in the dtype of w (x is cast to it). Cost: a row alone costs one [16, K] GEMM
+    instead of a GEMV (see README for the measured price).
+    """
+    M = x.shape[0]
+    pad = (-M) % BI_TILE
+    xp = F.pad(x.to(w.dtype), (0, 0, 0, pad)) if pad else x.to(w.dtype)
+    wt = w.t()  # [K, N] view
+    y = torch.cat([torch.mm(xp[i:i + BI_TILE], wt) for i in range(0, M + pad, BI_TILE)])[:M]
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def exact_int8_gemm(xq: Tensor, wq: Tensor, method: str, wq_float: Tensor | None = None) -> Tensor:
+    """Exact sum_k xq[m, k] wq[n, k] as int32 [M, N]. xq [M, K] int8, wq [N, K] int8.
+
+    method "int_mm" uses torch._int_mm; "sgemm" uses fp32 GEMM in exact K-chunks (pass the
+    cached `wq_float = wq.float()` to avoid converting the weight on every call).
+    """
+    if method == "int_mm":
+        M = xq.shape[0]
+        if xq.device.type == "cuda" and M <= 16:  # cuBLASLt int8 needs M > 16
+            return torch._int_mm(F.pad(xq, (0, 0, 0, 17 - M)), wq.t())[:M]
+        return torch._int_mm(xq, wq.t())
+    if method != "sgemm":
+        raise ValueError(f"unknown int8 GEMM method {method!r}; valid: ['int_mm', 'sgemm']")
+    wf = wq.float() if wq_float is None else wq_float  # [N, K]
+    xf = xq.float()
+    K = xq.shape[1]
+    acc = None
+    for k0 in range(0, K, INT8_SGEMM_CHUNK):
+        part = torch.mm(xf[:, k0:k0 + INT8_SGEMM_CHUNK], wf[:, k0:k0 + INT8_SGEMM_CHUNK].t())
+        part = part.to(torch.int32)  # exact: |part| < 2^24
+        acc = part if acc is None else acc + part
+    return acc
+
+
+def exact_fp8_gemm(xq: Tensor, w64: Tensor) -> Tensor:
+    """Exact sum_k xq[m, k] w[n, k] rounded once to fp32. xq [M, K] e4m3, w64 [N, K] float64."""
+    out = [
+        torch.mm(xq[i:i + EXACT_ROW_CHUNK].double(), w64.t()).float()
+        for i in range(0, xq.shape[0], EXACT_ROW_CHUNK)
+    ]
+    return torch.cat(out)
+
+
+def exact_fp8_block_gemm(
+    xq: Tensor,  # [M, K] float8_e4m3fn
+    x_scales: Tensor,  # [M, KB] float32, one per 1x128 activation group
+    w_blocks: Tensor,  # [KB, 128, N] float64, E4M3 weight values, K zero-padded
+    w_scales: Tensor,  # [KB, N] float32, each 128x128 block scale expanded over its columns
+    block: int,
+) -> Tensor:  # [M, N] float32
+    """DeepSeek-V3 block FP8: y[m, n] = sum_kb (sx[m, kb] sw[kb, n]) * P[kb, m, n], where
+    P[kb] = sum over the kb-th 128 columns of x codes * w codes (exact in fp64), and the sum
+    over kb is a fixed-order loop of elementwise fp32 ops (the per-block promotion of the
+    DeepSeek kernel), hence row-independent."""
+    M, K = xq.shape
+    KB = w_blocks.shape[0]
+    outs = []
+    for i in range(0, M, EXACT_ROW_CHUNK):
+        x = F.pad(xq[i:i + EXACT_ROW_CHUNK].double(), (0, KB * block - K))  # [m, KB*128]
+        x = x.view(x.shape[0], KB, block).transpose(0, 1)  # [KB, m, 128]
+        partial = torch.bmm(x, w_blocks).float()  # [KB, m, N], exact before the cast
+        sx = x_scales[i:i + EXACT_ROW_CHUNK]  # [m, KB]
+        y = partial[0] * (sx[:, 0, None] * w_scales[0][None, :])
+        for kb in range(1, KB):
+            y = y + partial[kb] * (sx[:, kb, None] * w_scales[kb][None, :])
+        outs.append(y)
+    return torch.cat(outs)
+
+
+def int4pack_prepare(u: Tensor, scales: Tensor, zeros: Tensor | None) -> tuple[Tensor, Tensor]:
+    """u [N, K] uint8 in [0, 15], scales/zeros [N, G] bf16 -> (packed weight, [G, N, 2] bf16).
+
+    The kernel dequantizes (u - 8) * s + z, which is our convention with z = 0 if symmetric.
+    """
+    packed = torch._convert_weight_to_int4pack_for_cpu(u.to(torch.int32).contiguous(), 2)
+    z = torch.zeros_like(scales) if zeros is None else zeros
+    scales_and_zeros = torch.stack([scales, z], dim=-1).transpose(0, 1).contiguous()
+    return packed, scales_and_zeros.to(torch.bfloat16)
+
+
+def int4pack_mm(x: Tensor, packed: Tensor, group_size: int, scales_and_zeros: Tensor) -> Tensor:
+    """x [M, K] bf16 -> [M, N] bf16 via torch._weight_int4pack_mm_for_cpu."""
+    return torch._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
+
+
+def cuda_fp8_supported(device: torch.device) -> bool:
+    """torch._scaled_mm with row-wise scales needs compute capability >= 8.9 (Ada, Hopper)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def cuda_scaled_mm(xq: Tensor, x_scales: Tensor, wq: Tensor, w_scales: Tensor) -> Tensor:
+    """Row-wise scaled FP8 GEMM on CUDA: (xq * sx[:, None]) @ (wq * sw[:, None])^T -> bf16.
+
+    Not run on the development machine (no GPU): see README.
+    """
+    return torch._scaled_mm(
+        xq, wq.t(), scale_a=x_scales[:, None].contiguous(), scale_b=w_scales[None, :].contiguous(),
+        out_dtype=torch.bfloat16,
+    )

@@ -1,0 +1,151 @@
+"""QuantLinear: an nn.Linear replacement whose forward runs a scheme, in one of three modes.
+
+- `none`:   y = x W^T + b with the master weight (plain F.linear; the naive QaRL arm).
+- `fake`:   y = F.linear(act_qdq(x), dequantize(quantize(W))) + b: the scheme's quantizers,
+            floating-point matmul. Same primitives as `kernel`; only the matmul differs.
+- `kernel`: y = scheme.linear(x, quantize(W)) + b: the engine's own kernel, bit for bit.
+
+Backward (fake and kernel) is the straight-through estimator: quantizers count as identity,
+so with x_hat = act_qdq(x) and W_hat = dequantize(quantize(W)):
+    dL/dx = g W_hat,   dL/dW = g^T x_hat,   dL/db = sum_rows g
+i.e. the gradient of F.linear(x_hat, W_hat) w.r.t. W_hat lands on the master weight W.
+
+Weights are quantized once per weight version: the cache key is (data_ptr, _version) of the
+master weight, which every in-place optimizer update, `copy_` or `.to()` changes. Decoding
+never re-quantizes; a training step re-quantizes exactly once, at the next forward.
+`install(qw)` puts an already-quantized weight in the cache as-is (the engine side).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from qarl.quant.qweight import QWeight
+from qarl.quant.schemes import Scheme, make_scheme
+
+MODES = ("none", "fake", "kernel")
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"unknown QuantLinear mode {mode!r}; valid: {sorted(MODES)}")
+    return mode
+
+
+class _STELinear(torch.autograd.Function):
+    """Forward given by `fn(x2d)`; backward is the straight-through estimator onto W."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, fn, x_hat_fn, w_hat):
+        # x: [M, K]; weight: master [N, K] (only its grad slot is used); w_hat: [N, K] fp32
+        ctx.save_for_backward(x, w_hat)
+        ctx.x_hat_fn, ctx.has_bias, ctx.dtypes = x_hat_fn, bias is not None, (x.dtype, weight.dtype)
+        return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad: [M, N]
+        x, w_hat = ctx.saved_tensors
+        g = grad.float()
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ w_hat).to(ctx.dtypes[0])  # dL/dx = g W_hat
+        if ctx.needs_input_grad[1]:
+            grad_w = (g.t() @ ctx.x_hat_fn(x)).to(ctx.dtypes[1])  # dL/dW = g^T x_hat
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+class QuantLinear(nn.Module):
+    """Drop-in for nn.Linear: same `weight` [out, in] and `bias` [out] parameters (HF names)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, scheme: str | Scheme,
+                 mode: str = "kernel"):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight  # the master weight; kept as the same Parameter (ties survive)
+        self.bias = bias
+        self.scheme = make_scheme(scheme)
+        self.mode = check_mode(mode)
+        self._qweight: QWeight | None = None
+        self._qweight_key: tuple | None = None
+        self._dequantized: Tensor | None = None  # [N, K] fp32, for fake mode and backward
+        self.quantize_count = 0  # how many times this layer quantized its master weight
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, scheme: str | Scheme, mode: str = "kernel") -> "QuantLinear":
+        return cls(linear.weight, linear.bias, scheme, mode)
+
+    def _key(self) -> tuple:
+        return (self.weight.data_ptr(), self.weight._version)
+
+    def qweight(self) -> QWeight:
+        """The QWeight of the current master weight (quantized at most once per version)."""
+        key = self._key()
+        if self._qweight is None or self._qweight_key != key:
+            with torch.no_grad():
+                self._qweight = self.scheme.quantize(self.weight.detach())
+            self._qweight_key, self._dequantized = key, None
+            self.quantize_count += 1
+        return self._qweight
+
+    def install(self, qw: QWeight) -> None:
+        """Use `qw` as-is (no re-quantization) until the master weight changes."""
+        if not self.scheme.matches(qw):
+            raise ValueError(
+                f"QWeight of scheme {qw.scheme!r} (group {qw.group_size}, symmetric "
+                f"{qw.symmetric}) cannot go into a layer quantized with {self.scheme!r}; "
+                f"quantize the engine model with the learner's scheme and options"
+            )
+        if tuple(qw.shape) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"QWeight shape {tuple(qw.shape)} != layer shape "
+                f"{(self.out_features, self.in_features)}"
+            )
+        self._qweight = qw.to(self.weight.device)
+        self._qweight_key, self._dequantized = self._key(), None
+
+    def dequantized(self) -> Tensor:  # [N, K] float32
+        qw = self.qweight()
+        if self._dequantized is None:
+            self._dequantized = self.scheme.dequantize(qw)
+        return self._dequantized
+
+    def forward(self, x: Tensor) -> Tensor:  # x: [..., in] -> [..., out]
+        if self.mode == "none":
+            return F.linear(x, self.weight, self.bias)
+        qw = self.qweight()
+        needs_grad = torch.is_grad_enabled() and (
+            x.requires_grad or self.weight.requires_grad
+            or (self.bias is not None and self.bias.requires_grad)
+        )
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.mode == "kernel":
+            fn = lambda t: self.scheme.linear(t, qw, self.bias)  # noqa: E731
+        else:
+            fn = lambda t: self._fake(t)  # noqa: E731
+        if not needs_grad:
+            y = fn(x2)
+        else:
+            y = _STELinear.apply(x2, self.weight, self.bias, fn, self.scheme.act_qdq, self.dequantized())
+        return y.reshape(*lead, self.out_features)
+
+    def _fake(self, x: Tensor) -> Tensor:  # [M, K] -> [M, N] in x's dtype
+        y = F.linear(self.scheme.act_qdq(x), self.dequantized())
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype)
+
+    def kernel_path(self) -> str:
+        if self.mode == "none":
+            return "F.linear on the master weight (mode none)"
+        if self.mode == "fake":
+            return "F.linear on act_qdq(x) and the dequantized weight (mode fake)"
+        return self.scheme.kernel_path(self.weight.device, self.qweight())
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, scheme={self.scheme.name}, mode={self.mode}")

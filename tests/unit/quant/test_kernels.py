@@ -1,0 +1,97 @@
+"""Kernel paths: batch invariance, exactness of the integer/FP8 formulations, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qarl.quant import SCHEMES, batch_invariant_linear, make_scheme
+from qarl.quant import kernels as K
+from qarl.quant import numerics as nm
+
+# (K, N): SmolLM2 shapes, a 128-multiple, a ragged K for block FP8, N % 16 != 0 (int4 fallback)
+SHAPES = [(576, 192), (1536, 64), (256, 128), (320, 96), (128, 40)]
+BATCHES = [1, 2, 7, 16, 17, 40]
+
+
+def _rand(shape, seed, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_linear_is_batch_invariant(name):
+    """Row i of scheme.linear has the same bits alone and inside batches of any size, for many
+    seeds and shapes (the engine decodes rows alone, the learner runs them all at once)."""
+    scheme = SCHEMES[name]
+    for seed, (k, n) in enumerate(SHAPES):
+        if k % 64 and name in ("w4a16-int4", "w4a8-int"):
+            continue
+        qw = scheme.quantize(_rand((n, k), seed))
+        bias = _rand((n,), seed + 100)
+        for m in BATCHES:
+            x = _rand((m, k), 1000 * seed + m, scale=3.0)
+            full = scheme.linear(x, qw, bias)
+            for i in sorted({0, m // 2, m - 1}):
+                alone = scheme.linear(x[i:i + 1], qw, bias)
+                assert torch.equal(alone[0], full[i]), (name, k, n, m, i)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_linear_positions(dtype):
+    """batch_invariant_linear: every row of a 40-row batch equals the row computed alone."""
+    w = _rand((96, 320), 0).to(dtype)
+    x = _rand((40, 320), 1).to(dtype)
+    full = batch_invariant_linear(x, w)
+    for i in range(40):
+        assert torch.equal(batch_invariant_linear(x[i:i + 1], w)[0], full[i])
+
+
+def test_int8_sgemm_equals_int_mm():
+    """The fp32-chunked int8 GEMM gives the same int32 as torch._int_mm (both are exact),
+    including K > 1024 where chunks are needed and the extreme codes +-127."""
+    for k in (64, 1024, 1536, 2304):
+        xq = torch.randint(-127, 128, (9, k), dtype=torch.int8, generator=torch.Generator().manual_seed(k))
+        wq = torch.randint(-127, 128, (48, k), dtype=torch.int8, generator=torch.Generator().manual_seed(k + 1))
+        xq[0], wq[0] = 127, 127  # worst-case magnitudes
+        assert torch.equal(K.exact_int8_gemm(xq, wq, "sgemm"), K.exact_int8_gemm(xq, wq, "int_mm"))
+
+
+def test_int8_gemm_choices_agree_through_the_scheme():
+    """w8a8-int8 with gemm=int_mm and gemm=sgemm produce identical outputs."""
+    w, x = _rand((64, 1536), 3), _rand((5, 1536), 4)
+    a, b = make_scheme("w8a8-int8", gemm="int_mm"), make_scheme("w8a8-int8", gemm="sgemm")
+    qw = a.quantize(w)
+    assert torch.equal(a.linear(x, qw), b.linear(x, qw))
+
+
+def test_fp8_emulation_is_the_exact_dot_product():
+    """The fp64 FP8 GEMM equals an fp64 reference over the decoded E4M3 values (rounded once)."""
+    xq, _ = nm.fp8_rows(_rand((6, 512), 5, scale=50.0))
+    wq, _ = nm.fp8_rows(_rand((32, 512), 6))
+    ref = (xq.double() @ wq.double().t()).float()
+    assert torch.equal(K.exact_fp8_gemm(xq, wq.double()), ref)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_kernel_close_to_fake(name):
+    """The kernel differs from F.linear(act_qdq(x), dequantize(qw)) only by matmul rounding:
+    relative to the output scale, 1e-5 for fp32 paths and 1e-2 for the bf16-output int4 kernel
+    (bf16 keeps 8 significant bits: 2^-8 ~ 4e-3 per element)."""
+    scheme = SCHEMES[name]
+    w, x = _rand((128, 512), 7), _rand((11, 512), 8)
+    qw = scheme.quantize(w)
+    ref = torch.nn.functional.linear(scheme.act_qdq(x), scheme.dequantize(qw))
+    err = (scheme.linear(x, qw) - ref).abs().max() / ref.abs().max()
+    assert err < (1e-2 if name in ("w4a16-int4", "w4a8-int") else 1e-5)
+
+
+def test_bad_dtype_and_device_raise():
+    """Activations of an unsupported dtype or on a device without a path raise clearly."""
+    scheme = SCHEMES["w8a8-int8"]
+    qw = scheme.quantize(_rand((16, 64), 9))
+    with pytest.raises(TypeError, match="float64"):
+        scheme.linear(torch.zeros(2, 64, dtype=torch.float64), qw)
+    with pytest.raises(ValueError, match="meta"):
+        scheme.linear(torch.zeros(2, 64, device="meta"), qw)
+    with pytest.raises(ValueError, match="features"):
+        scheme.linear(torch.zeros(2, 32), qw)

@@ -1,0 +1,118 @@
+"""QuantLinear: modes, straight-through gradients, weight-version caching, learner = engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from qarl.quant import SCHEMES, QuantLinear, QWeight
+
+
+def _layer(name: str, mode: str, seed: int = 0, k: int = 256, n: int = 96, bias: bool = True):
+    torch.manual_seed(seed)
+    return QuantLinear.from_linear(nn.Linear(k, n, bias=bias), name, mode)
+
+
+@pytest.mark.parametrize("mode", ["fake", "kernel"])
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_ste_gradient_equals_dequantized_layer_gradient(name, mode):
+    """The gradient w.r.t. the master weight (and x, bias) equals the gradient of
+    F.linear(act_qdq(x), W_hat) w.r.t. W_hat, with the activation quantizer passed straight
+    through; identical bits, since both are the same fp32 matmuls."""
+    layer = _layer(name, mode)
+    x = torch.randn(3, 5, 256, requires_grad=True)
+    g = torch.randn(3, 5, 96)
+    (layer(x) * g).sum().backward()
+
+    scheme = layer.scheme
+    w_hat = scheme.dequantize(scheme.quantize(layer.weight.detach())).requires_grad_()
+    b = layer.bias.detach().clone().requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    x_flat = x_ref.reshape(-1, 256)
+    x_hat = x_flat + (scheme.act_qdq(x_flat) - x_flat).detach()  # straight-through act quant
+    y_ref = torch.nn.functional.linear(x_hat, w_hat) + b
+    (y_ref * g.reshape(-1, 96)).sum().backward()
+    assert torch.equal(layer.weight.grad, w_hat.grad)
+    assert torch.equal(layer.bias.grad, b.grad)
+    assert torch.allclose(x.grad, x_ref.grad, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_learner_kernel_equals_engine_bit_for_bit(name):
+    """A kernel-mode learner layer and an engine layer holding the exported QWeight (through a
+    tensors round trip, on a different master weight) give identical bits: the learner runs all
+    rows at once, the engine one row at a time, over several seeds and shapes."""
+    for seed, (k, n) in enumerate([(256, 96), (576, 192), (128, 48)]):
+        learner = _layer(name, "kernel", seed, k, n)
+        engine = _layer(name, "kernel", seed + 50, k, n)
+        engine.bias.data.copy_(learner.bias.data)
+        engine.install(QWeight.from_tensors(learner.qweight().tensors()))
+        x = torch.randn(24, k, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            full = learner(x)
+            rows = torch.cat([engine(x[i:i + 1]) for i in range(24)])
+        assert torch.equal(full, rows), (name, k, n)
+        assert torch.equal(learner(x.requires_grad_()), full)  # training forward: same bits
+
+
+def test_decoding_never_requantizes_and_a_step_requantizes_once():
+    """Forward passes reuse the cached QWeight; an optimizer step triggers exactly one
+    re-quantization at the next forward, however many forwards follow."""
+    layer = _layer("w8a8-int8", "kernel")
+    x = torch.randn(4, 256)
+    with torch.no_grad():
+        for _ in range(5):
+            layer(x)
+    assert layer.quantize_count == 1
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    layer(x).sum().backward()
+    opt.step()
+    for _ in range(3):
+        layer(x)
+    assert layer.quantize_count == 2
+
+
+def test_installed_qweight_is_used_until_master_changes():
+    """An installed QWeight is used as-is (no quantization); editing the master re-quantizes."""
+    learner, engine = _layer("w4a16-int4", "kernel", 0), _layer("w4a16-int4", "kernel", 1)
+    engine.install(learner.qweight())
+    with torch.no_grad():
+        engine(torch.randn(2, 256))
+    assert engine.quantize_count == 0 and engine.qweight() is not learner.qweight()
+    with torch.no_grad():
+        engine.weight.mul_(2)
+        engine(torch.randn(2, 256))
+    assert engine.quantize_count == 1
+
+
+def test_install_rejects_mismatched_scheme_or_shape():
+    """Installing a QWeight of another scheme, group size or shape raises."""
+    layer = _layer("w4a16-int4", "kernel")
+    other = _layer("w4a16-nvfp4", "kernel").qweight()
+    with pytest.raises(ValueError, match="w4a16-nvfp4"):
+        layer.install(other)
+    with pytest.raises(ValueError, match="shape"):
+        layer.install(_layer("w4a16-int4", "kernel", k=128).qweight())
+
+
+def test_mode_none_is_plain_linear_and_bad_mode_raises():
+    """Mode none runs F.linear on the master weight; an unknown mode raises."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32)
+    x = torch.randn(3, 64)
+    ref = lin(x)
+    assert torch.equal(QuantLinear.from_linear(lin, "w8a8-int8", "none")(x), ref)
+    with pytest.raises(ValueError, match="kernel"):
+        QuantLinear.from_linear(lin, "w8a8-int8", "real")
+
+
+@pytest.mark.parametrize("name", ["w8a8-int8", "w4a16-int4", "w8a8-fp8"])
+def test_bfloat16_model(name):
+    """A bf16 layer runs in kernel mode, returns bf16, and is batch-invariant too."""
+    layer = _layer(name, "kernel").to(torch.bfloat16)
+    x = torch.randn(9, 256).bfloat16()
+    with torch.no_grad():
+        y = layer(x)
+        assert y.dtype == torch.bfloat16
+        assert torch.equal(layer(x[4:5])[0], y[4])

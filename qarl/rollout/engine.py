@@ -33,7 +33,9 @@ from qarl.types import FINISH_LENGTH, FINISH_STOP, RolloutBatch, SamplingParams
 _COMPACT_BELOW = 0.5
 
 
-def prefill(model: CausalLM, ids: Tensor, positions: Tensor, cache: KVCache, key_mask: Tensor) -> Tensor:
+def prefill(
+    model: CausalLM, ids: Tensor, positions: Tensor, cache: KVCache, key_mask: Tensor
+) -> Tensor:
     """ids, positions: [B, P] int64; key_mask: [B, S] bool -> logits [B, V] at the last column."""
     hidden = model(ids, positions=positions, cache=cache, cache_start=0, key_mask=key_mask)
     return model.lm_head(hidden[:, -1])  # lm_head on one position per row only
@@ -87,7 +89,9 @@ class LocalEngine:
             )
 
     @classmethod
-    def from_tokenizer(cls, model: CausalLM, tokenizer, max_context: int | None = None) -> "LocalEngine":
+    def from_tokenizer(
+        cls, model: CausalLM, tokenizer, max_context: int | None = None
+    ) -> "LocalEngine":
         """Take EOS and pad ids from a tokenizer with `.eos_token_ids` and `.pad_token_id`
         (a missing pad id falls back to the first EOS id, then to 0)."""
         eos = tuple(tokenizer.eos_token_ids)
@@ -104,7 +108,9 @@ class LocalEngine:
         with torch.no_grad():
             load_state(self.model, state)
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int) -> RolloutBatch:
+    def generate(
+        self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int
+    ) -> RolloutBatch:
         """Sample one response per prompt. Same seed, same model, same prompts: same tokens.
 
         `rollout_logp` is the log-probability of each drawn token under exactly the
@@ -115,9 +121,13 @@ class LocalEngine:
         ids, prompt_mask = self._left_pad(prompt_ids, device)  # [N, P] each
         budget = self._response_budget(ids.shape[1], sampling.max_new_tokens)
         generator = torch.Generator(device=device).manual_seed(seed)
-        packing = self._prepacker.applied(self.model, len(prompt_ids)) if self._prepacker else nullcontext()
+        packing = nullcontext()
+        if self._prepacker is not None:
+            packing = self._prepacker.applied(self.model, batch_hint=len(prompt_ids))
         with torch.inference_mode(), packing:
-            response, logp, mask, stopped = self._decode(ids, prompt_mask, budget, sampling, generator)
+            response, logp, mask, stopped = self._decode(
+                ids, prompt_mask, budget, sampling, generator
+            )
         length = int(mask.sum(dim=1).max())  # the longest response sets L
         return RolloutBatch(
             prompt_ids=ids,

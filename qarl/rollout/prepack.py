@@ -9,9 +9,10 @@ on the 2-core AVX2 development machine for a [16, 1024] x [1024, 3072] product: 
 `LinearPrepacker.applied(model)` swaps the forward of the packable layers for the block and
 restores them on exit. Packed copies are kept between calls and checked against the weight's
 storage and in-place version counter on every entry, so updated weights
-(`LocalEngine.load_weights`, an optimizer step on a shared model) are never served stale. Only modules whose type is exactly
-`nn.Linear` with an fp32 CPU weight are touched: quantized layers, bf16 layers (oneDNN's bf16
-path needs AVX512-BF16 or AVX-NE-CONVERT) and accelerator tensors keep their own forward.
+(`LocalEngine.load_weights`, an optimizer step on a shared model) are never served stale.
+Only modules whose type is exactly `nn.Linear` with an fp32 CPU weight are touched: quantized
+layers, bf16 layers (oneDNN's bf16 path needs AVX512-BF16 or AVX-NE-CONVERT) and accelerator
+tensors keep their own forward.
 The products differ from `F.linear` by rounding only (~1e-6 relative in fp32).
 """
 

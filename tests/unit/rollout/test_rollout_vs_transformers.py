@@ -8,7 +8,12 @@ import torch
 from qarl.rollout import LocalEngine
 from qarl.types import SamplingParams
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+# qwen3 (q/k norms, GQA) runs by default; the other families cost ~5 s each: `-m slow`.
+FAMILIES = [
+    pytest.param("llama", marks=pytest.mark.slow),
+    pytest.param("qwen2", marks=pytest.mark.slow),
+    "qwen3",
+]
 
 PROMPTS = [[5, 17, 3, 99, 42], [7, 8], [1, 2, 3, 4, 5, 6, 9]]
 

@@ -4,10 +4,11 @@ runs N*L rows at once; QaRL needs both to produce identical bits).
 
 How each kernel earns invariance:
 - `exact_int8_gemm`: integer codes, so the dot product is exact in any summation order.
-  `torch._int_mm` computes it in int32; `sgemm` computes it in fp32 on integer-valued floats
-  in K-chunks of at most 1024 (|q| <= 127, so every partial sum is an integer below
-  1024 * 127^2 < 2^24 and fp32 represents it exactly), then adds chunks in int32. Both give
-  the same int32 result; sgemm is much faster on CPUs without VNNI (see README).
+  `torch._int_mm` computes it in int32; `sgemm` / `onednn` compute it with fp32 GEMMs (MKL,
+  or oneDNN on a pre-packed weight) on integer-valued floats in K-chunks of at most 1024
+  (|q| <= 127, so every partial sum is an integer below 1024 * 127^2 < 2^24, which fp32
+  represents exactly), then add chunks in int32. All give the same int32 result; the fp32 ones
+  are 5-20x faster than _int_mm on CPUs without VNNI (see README).
 - `exact_fp8_gemm` / `exact_fp8_block_gemm`: every E4M3 value is a multiple of 2^-9 below
   2^9, so a product is a multiple of 2^-18 below 2^18 and a sum of up to 2^17 of them is exact
   in fp64 (53-bit significand): fp64 matmul over E4M3 values is the exact dot product.
@@ -42,25 +43,42 @@ def batch_invariant_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> 
     return y if bias is None else y + bias.to(y.dtype)
 
 
-def exact_int8_gemm(xq: Tensor, wq: Tensor, method: str, wq_float: Tensor | None = None) -> Tensor:
+def int8_chunks(wq: Tensor, packed: bool) -> list[Tensor]:
+    """Weight codes [N, K] int8 -> fp32 K-chunks for the sgemm method, oneDNN-packed if asked
+    (a one-time layout change; the values stay the integer codes)."""
+    chunks = [wq[:, k0:k0 + INT8_SGEMM_CHUNK].float() for k0 in range(0, wq.shape[1], INT8_SGEMM_CHUNK)]
+    if packed:
+        chunks = [torch.ops.mkldnn._reorder_linear_weight(c, 16) for c in chunks]
+    return chunks
+
+
+def onednn_available(device: torch.device) -> bool:
+    return device.type == "cpu" and torch.backends.mkldnn.is_available()
+
+
+def exact_int8_gemm(xq: Tensor, wq: Tensor, method: str, chunks: list[Tensor] | None = None) -> Tensor:
     """Exact sum_k xq[m, k] wq[n, k] as int32 [M, N]. xq [M, K] int8, wq [N, K] int8.
 
-    method "int_mm" uses torch._int_mm; "sgemm" uses fp32 GEMM in exact K-chunks (pass the
-    cached `wq_float = wq.float()` to avoid converting the weight on every call).
+    method "int_mm" uses torch._int_mm; "sgemm" fp32 GEMMs over exact K-chunks, "onednn" the
+    same on oneDNN-packed chunks (pass the cached `int8_chunks(wq, packed)` to skip converting
+    the weight on every call). All three return the same int32 tensor.
     """
     if method == "int_mm":
         M = xq.shape[0]
         if xq.device.type == "cuda" and M <= 16:  # cuBLASLt int8 needs M > 16
             return torch._int_mm(F.pad(xq, (0, 0, 0, 17 - M)), wq.t())[:M]
         return torch._int_mm(xq, wq.t())
-    if method != "sgemm":
-        raise ValueError(f"unknown int8 GEMM method {method!r}; valid: ['int_mm', 'sgemm']")
-    wf = wq.float() if wq_float is None else wq_float  # [N, K]
+    if method not in ("sgemm", "onednn"):
+        raise ValueError(f"unknown int8 GEMM method {method!r}; valid: ['int_mm', 'onednn', 'sgemm']")
+    chunks = int8_chunks(wq, method == "onednn") if chunks is None else chunks
     xf = xq.float()
-    K = xq.shape[1]
     acc = None
-    for k0 in range(0, K, INT8_SGEMM_CHUNK):
-        part = torch.mm(xf[:, k0:k0 + INT8_SGEMM_CHUNK], wf[:, k0:k0 + INT8_SGEMM_CHUNK].t())
+    for i, w in enumerate(chunks):
+        x = xf[:, i * INT8_SGEMM_CHUNK:(i + 1) * INT8_SGEMM_CHUNK]
+        if method == "onednn":
+            part = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        else:
+            part = torch.mm(x, w.t())
         part = part.to(torch.int32)  # exact: |part| < 2^24
         acc = part if acc is None else acc + part
     return acc
@@ -117,9 +135,11 @@ def int4pack_mm(x: Tensor, packed: Tensor, group_size: int, scales_and_zeros: Te
     return torch._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
 
 
-def cuda_fp8_supported(device: torch.device) -> bool:
-    """torch._scaled_mm with row-wise scales needs compute capability >= 8.9 (Ada, Hopper)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+def cuda_fp8_supported(device: torch.device, n: int, k: int) -> bool:
+    """torch._scaled_mm with row-wise scales needs compute capability >= 8.9 (Ada, Hopper)
+    and K, N multiples of 16."""
+    return (device.type == "cuda" and n % 16 == 0 and k % 16 == 0
+            and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
 def cuda_scaled_mm(xq: Tensor, x_scales: Tensor, wq: Tensor, w_scales: Tensor) -> Tensor:

@@ -85,7 +85,9 @@ class QuantLinear(nn.Module):
         """The QWeight of the current master weight (quantized at most once per version)."""
         key = self._key()
         if self._qweight is None or self._qweight_key != key:
-            with torch.no_grad():
+            # normal tensors even when the engine decodes under torch.inference_mode, so a
+            # shared learner model can later save them for backward
+            with torch.inference_mode(False), torch.no_grad():
                 self._qweight = self.scheme.quantize(self.weight.detach())
             self._qweight_key, self._dequantized = key, None
             self.quantize_count += 1
@@ -110,7 +112,8 @@ class QuantLinear(nn.Module):
     def dequantized(self) -> Tensor:  # [N, K] float32
         qw = self.qweight()
         if self._dequantized is None:
-            self._dequantized = self.scheme.dequantize(qw)
+            with torch.inference_mode(False), torch.no_grad():
+                self._dequantized = self.scheme.dequantize(qw)
         return self._dequantized
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., in] -> [..., out]

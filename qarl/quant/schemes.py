@@ -100,19 +100,24 @@ class NoneScheme(Scheme):
 @dataclass(frozen=True)
 class Int8Scheme(Scheme):
     """W8A8 int8: symmetric per-channel weights, dynamic symmetric per-token activations.
-    gemm: "auto" (CPU: sgemm, CUDA: int_mm), "int_mm" or "sgemm"; all give identical int32."""
+    gemm: "auto" (CPU: onednn if available else sgemm; CUDA: int_mm), "int_mm", "onednn" or
+    "sgemm"; all give identical int32 accumulators (see kernels.exact_int8_gemm)."""
 
     gemm: str = "auto"
     name = "w8a8-int8"
 
     def __post_init__(self):
-        if self.gemm not in ("auto", "int_mm", "sgemm"):
-            raise ValueError(f"w8a8-int8 gemm={self.gemm!r}; valid: ['auto', 'int_mm', 'sgemm']")
+        if self.gemm not in ("auto", "int_mm", "onednn", "sgemm"):
+            raise ValueError(
+                f"w8a8-int8 gemm={self.gemm!r}; valid: ['auto', 'int_mm', 'onednn', 'sgemm']"
+            )
 
     def method(self, device: torch.device) -> str:
         if self.gemm != "auto":
             return self.gemm
-        return "int_mm" if device.type == "cuda" else "sgemm"
+        if device.type == "cuda":
+            return "int_mm"
+        return "onednn" if K.onednn_available(device) else "sgemm"
 
     def quantize(self, w: Tensor) -> QWeight:
         self.check_weight(w)
@@ -129,16 +134,18 @@ class Int8Scheme(Scheme):
     def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
         method = self.method(x.device)
         xq, xs = nm.int8_rows(x)  # [M, K] int8, [M]
-        wf = None
-        if method == "sgemm":
-            wf = self.prepared(qw, x.device, "float_codes", lambda: qw.codes.float())
-        acc = K.exact_int8_gemm(xq, qw.codes, method, wf)  # [M, N] int32, exact
+        chunks = None
+        if method in ("sgemm", "onednn"):
+            chunks = self.prepared(qw, x.device, method,
+                                   lambda: K.int8_chunks(qw.codes, method == "onednn"))
+        acc = K.exact_int8_gemm(xq, qw.codes, method, chunks)  # [M, N] int32, exact
         # y = (acc * s_x) * s_w
         return acc.float() * xs[:, None] * qw.scales[None, :]
 
     def kernel_path(self, device: torch.device, qw: QWeight) -> str:
-        if self.method(device) == "sgemm":
-            return ("exact int8 GEMM as fp32 sgemm on integer codes in K-chunks of 1024 "
+        method = self.method(device)
+        if method in ("sgemm", "onednn"):
+            return (f"exact int8 GEMM as fp32 {method} on integer codes in K-chunks of 1024 "
                     "(= torch._int_mm bit for bit; _int_mm is slow on CPUs without VNNI)")
         return "torch._int_mm (exact int32 accumulation)"
 
@@ -163,15 +170,15 @@ class Fp8Scheme(Scheme):
 
     def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
         xq, xs = nm.fp8_rows(x)  # [M, K] e4m3, [M]
-        if K.cuda_fp8_supported(x.device):
+        if K.cuda_fp8_supported(x.device, *qw.shape):
             return K.cuda_scaled_mm(xq, xs, qw.codes, qw.scales).float()
         w64 = self.prepared(qw, x.device, "float64_codes", lambda: qw.codes.double())
         # y = (sum_k xq wq, exact) * s_x * s_w
         return K.exact_fp8_gemm(xq, w64) * xs[:, None] * qw.scales[None, :]
 
     def kernel_path(self, device: torch.device, qw: QWeight) -> str:
-        if K.cuda_fp8_supported(device):
-            return "torch._scaled_mm, row-wise scales (CUDA compute capability >= 8.9)"
+        if K.cuda_fp8_supported(device, *qw.shape):
+            return "torch._scaled_mm, row-wise scales (CUDA capability >= 8.9, N and K % 16 == 0)"
         return "exact FP8 emulation: fp64 GEMM over E4M3 values (no fast FP8 kernel here)"
 
 

@@ -47,21 +47,25 @@ def test_batch_invariant_linear_positions(dtype):
 
 
 def test_int8_sgemm_equals_int_mm():
-    """The fp32-chunked int8 GEMM gives the same int32 as torch._int_mm (both are exact),
-    including K > 1024 where chunks are needed and the extreme codes +-127."""
+    """The fp32-chunked int8 GEMMs (MKL and oneDNN-packed) give the same int32 as
+    torch._int_mm (all exact), including K > 1024 (chunks) and the extreme codes +-127."""
     for k in (64, 1024, 1536, 2304):
         xq = torch.randint(-127, 128, (9, k), dtype=torch.int8, generator=torch.Generator().manual_seed(k))
         wq = torch.randint(-127, 128, (48, k), dtype=torch.int8, generator=torch.Generator().manual_seed(k + 1))
         xq[0], wq[0] = 127, 127  # worst-case magnitudes
-        assert torch.equal(K.exact_int8_gemm(xq, wq, "sgemm"), K.exact_int8_gemm(xq, wq, "int_mm"))
+        ref = K.exact_int8_gemm(xq, wq, "int_mm")
+        assert torch.equal(K.exact_int8_gemm(xq, wq, "sgemm"), ref)
+        if K.onednn_available(xq.device):
+            assert torch.equal(K.exact_int8_gemm(xq, wq, "onednn"), ref)
 
 
 def test_int8_gemm_choices_agree_through_the_scheme():
-    """w8a8-int8 with gemm=int_mm and gemm=sgemm produce identical outputs."""
+    """w8a8-int8 with gemm=int_mm, sgemm and the default produce identical outputs."""
     w, x = _rand((64, 1536), 3), _rand((5, 1536), 4)
     a, b = make_scheme("w8a8-int8", gemm="int_mm"), make_scheme("w8a8-int8", gemm="sgemm")
     qw = a.quantize(w)
     assert torch.equal(a.linear(x, qw), b.linear(x, qw))
+    assert torch.equal(a.linear(x, qw), SCHEMES["w8a8-int8"].linear(x, qw))
 
 
 def test_fp8_emulation_is_the_exact_dot_product():

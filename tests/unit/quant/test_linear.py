@@ -116,3 +116,13 @@ def test_bfloat16_model(name):
         y = layer(x)
         assert y.dtype == torch.bfloat16
         assert torch.equal(layer(x[4:5])[0], y[4])
+
+
+def test_training_after_inference_mode_decode():
+    """A layer first used under torch.inference_mode (the engine decoding with a shared
+    model) still trains afterwards: cached QWeights are ordinary tensors."""
+    layer = _layer("w8a8-fp8", "kernel")
+    with torch.inference_mode():
+        layer(torch.randn(2, 256))
+    layer(torch.randn(2, 256)).sum().backward()
+    assert layer.weight.grad is not None and layer.quantize_count == 1

@@ -1,0 +1,152 @@
+"""Quantized linear kernels and quantized decode speed, printed as one JSON object.
+
+Part 1 ("layers"): one linear layer per format at M = 1, 16, 256 rows and (K, N) from 1024 to
+4096, timed against plain fp32 and bf16 `F.linear` and the batch-invariant fp32 linear.
+Part 2 ("decode"): `qarl.rollout.LocalEngine` greedy decode ms/step per format (projections
+quantized in kernel mode, lm_head left to the engine) on the 109M Qwen3 config and on
+smollm2-135m, batch 1 and 16; step time = (t(N tokens) - t(1 token)) / (N - 1), best of
+`--repeats`. Threads default to 1: on a shared 2-core machine, two OpenMP threads make every
+GEMM wait on the busier core (10-30x slower M>1 fp32 GEMMs measured).
+
+    .venv/bin/python benchmarks/quant_kernels.py                # everything (~10 min)
+    .venv/bin/python benchmarks/quant_kernels.py --parts layers --shapes 1024x4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+import torch.nn.functional as F
+
+from qarl.quant import SCHEMES, batch_invariant_linear, quantize_model
+
+QWEN3_109M = dict(  # same as benchmarks/engine_throughput.py (108.5M parameters)
+    family="qwen3", vocab_size=8192, hidden_size=1024, intermediate_size=3072, num_layers=8,
+    num_heads=16, num_kv_heads=8, tie_word_embeddings=True, max_position_embeddings=4096,
+)
+
+
+def best_ms(fn, budget_s: float = 1.0, max_repeats: int = 7) -> float:
+    """Best wall time of fn() in ms: one warm-up, then as many repeats as fit `budget_s`."""
+    start = time.perf_counter()
+    fn()
+    first = time.perf_counter() - start
+    best = first
+    for _ in range(max(1, min(max_repeats, int(budget_s / max(first, 1e-6))))):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return round(1000 * best, 3)
+
+
+def layer_figures(shapes, rows, formats) -> list[dict]:
+    out = []
+    for k, n in shapes:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(n, k, generator=g) * 0.02
+        wb = w.bfloat16()
+        for m in rows:
+            x = torch.randn(m, k, generator=g)
+            xb = x.bfloat16()
+            case = {"K": k, "N": n, "M": m,
+                    "fp32_ms": best_ms(lambda: F.linear(x, w)),
+                    "bf16_ms": best_ms(lambda: F.linear(xb, wb)),
+                    "fp32_batch_invariant_ms": best_ms(lambda: batch_invariant_linear(x, w))}
+            for name in formats:
+                scheme = SCHEMES[name]
+                qw = scheme.quantize(w)
+                case[f"{name}_ms"] = best_ms(lambda: scheme.linear(x, qw))
+            out.append(case)
+            print(json.dumps(case), flush=True)
+    return out
+
+
+def build_model(name: str):
+    from qarl.model import CausalLM, ModelConfig, load_model
+
+    if name == "qwen3-109m":
+        torch.manual_seed(0)
+        return CausalLM(ModelConfig(**QWEN3_109M)).eval()
+    return load_model(name).eval()
+
+
+def decode_figures(models, batches, formats, new_tokens, repeats, prompt_len) -> tuple[str, list]:
+    from qarl.rollout import LocalEngine
+    from qarl.types import SamplingParams
+
+    out = []
+    for model_name in models:
+        for fmt in ["fp32"] + list(formats):
+            model = build_model(model_name)
+            if fmt != "fp32":
+                quantize_model(model, fmt, mode="kernel")
+            engine = LocalEngine(model, eos_token_ids=(), pad_token_id=0)
+            for batch in batches:
+                prompts = torch.randint(1, model.config.vocab_size, (batch, prompt_len),
+                                        generator=torch.Generator().manual_seed(batch)).tolist()
+
+                def generate(n):
+                    engine.generate(prompts, SamplingParams(max_new_tokens=n, greedy=True), seed=0)
+
+                generate(2)  # warm-up, and prepares the kernel operands once
+                best = {1: float("inf"), new_tokens: float("inf")}
+                for _ in range(repeats):
+                    for n in (new_tokens, 1):
+                        start = time.perf_counter()
+                        generate(n)
+                        best[n] = min(best[n], time.perf_counter() - start)
+                ms = 1000 * (best[new_tokens] - best[1]) / (new_tokens - 1)
+                case = {"model": model_name, "format": fmt, "batch": batch, "ms_per_step": round(ms, 2)}
+                out.append(case)
+                print(json.dumps(case), flush=True)
+            del engine, model
+    return "qarl.rollout.LocalEngine (greedy, prepacked fp32 lm_head)", out
+
+
+def add_speedups(cases: list[dict]) -> None:
+    base = {(c["model"], c["batch"]): c["ms_per_step"] for c in cases if c["format"] == "fp32"}
+    for c in cases:
+        c["speedup_vs_fp32"] = round(base[c["model"], c["batch"]] / c["ms_per_step"], 2)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", default="layers,decode")
+    parser.add_argument("--formats", default=",".join(sorted(SCHEMES)))
+    parser.add_argument("--shapes", default="1024x4096,4096x1024", help="KxN,...")
+    parser.add_argument("--rows", default="1,16,256")
+    parser.add_argument("--models", default="qwen3-109m,smollm2-135m")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--new-tokens", type=int, default=9)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    formats = args.formats.split(",")
+    for f in formats:
+        SCHEMES[f]  # unknown names raise with the valid list
+    report = {"benchmark": "quant_kernels", "torch": torch.__version__, "threads": args.threads,
+              "machine": platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+              "note": "shared, loaded development machine: figures are noisy"}
+    parts = args.parts.split(",")
+    if "layers" in parts:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        report["layers"] = layer_figures(shapes, [int(r) for r in args.rows.split(",")], formats)
+    if "decode" in parts:
+        engine, cases = decode_figures(
+            args.models.split(","), [int(b) for b in args.batches.split(",")], formats,
+            args.new_tokens, args.repeats, args.prompt_len,
+        )
+        add_speedups(cases)
+        report["decode_engine"], report["decode"] = engine, cases
+    print(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()

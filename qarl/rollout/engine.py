@@ -26,7 +26,7 @@ from torch import Tensor
 from qarl.model.cache import KVCache
 from qarl.model.decoder import CausalLM
 from qarl.rollout.prepack import LinearPrepacker
-from qarl.rollout.sampling import sample
+from qarl.rollout.sampling import sample, sampler_logprobs
 from qarl.types import FINISH_LENGTH, FINISH_STOP, RolloutBatch, SamplingParams
 
 # Compact the batch once the rows still decoding are at most this fraction of the cache rows.
@@ -138,8 +138,34 @@ class LocalEngine:
             finish_reasons=[FINISH_STOP if s else FINISH_LENGTH for s in stopped.tolist()],
         )
 
-    def _decode(self, ids, prompt_mask, budget, sampling, generator):
-        """The generation loop. ids, prompt_mask: [N, P]. Returns response [N, budget] int64,
+    def score(self, batch: RolloutBatch, sampling: SamplingParams) -> Tensor:
+        """Sampler logprobs of the responses already in `batch`, by replaying generation: the
+        same prefill, the same decode steps, the same batch compaction, with each drawn token
+        replaced by the batch's token. -> [N, L] float32, 0 on padding.
+
+        This is the engine-path teacher forcing the aligned learner uses for old_logp: with
+        the same weights and the same batch it reproduces `batch.rollout_logp` bit for bit
+        (a full-sequence forward differs from the decode path in the last bits).
+        """
+        L = batch.response_ids.shape[1]
+        packing = nullcontext()
+        if self._prepacker is not None:
+            packing = self._prepacker.applied(self.model, batch_hint=batch.num_sequences)
+        with torch.inference_mode(), packing:
+            _, logp, mask, _ = self._decode(
+                batch.prompt_ids, batch.prompt_mask, L, sampling, None, forced=batch.response_ids
+            )
+        if not torch.equal(mask, batch.response_mask):
+            raise ValueError(
+                "score(): the batch's response_mask does not follow from its tokens (a row ends "
+                "at its first EOS/stop id, or runs to the last column); pass a RolloutBatch "
+                "produced by generate() with the same stop ids"
+            )
+        return logp
+
+    def _decode(self, ids, prompt_mask, budget, sampling, generator, forced=None):
+        """The generation loop. ids, prompt_mask: [N, P]; forced: [N, budget] int64 tokens to
+        feed instead of sampling (scoring), or None. Returns response [N, budget] int64,
         logp [N, budget] float32, mask [N, budget] bool, stopped [N] bool."""
         N, P = ids.shape
         device = ids.device
@@ -162,7 +188,11 @@ class LocalEngine:
 
         logits = prefill(self.model, ids, positions, cache, key_mask)  # [N, V]
         for t in range(budget):
-            tokens, token_logp = sample(logits, sampling, generator)  # [B] each
+            if forced is None:
+                tokens, token_logp = sample(logits, sampling, generator)  # [B] each
+            else:
+                tokens = forced[rows, t]  # [B]
+                token_logp = sampler_logprobs(logits, tokens, sampling)  # [B]
             tokens = tokens.masked_fill(~live, self.pad_token_id)
             response[rows, t] = tokens
             logp[rows, t] = token_logp.masked_fill(~live, 0.0)

@@ -63,6 +63,18 @@ def truncate_logits(scaled: Tensor, top_k: int, top_p: float) -> Tensor:
     return scaled
 
 
+def sampler_logprobs(logits: Tensor, tokens: Tensor, sampling: SamplingParams) -> Tensor:
+    """Log-probability of given `tokens` ([B] int64) under the distribution `sample` draws
+    from with these settings (see the module docstring): [B] float32. `sample` reports
+    exactly this for the tokens it draws; `LocalEngine.score` calls it for forced tokens."""
+    if sampling.greedy:
+        return token_logprobs(logits, tokens, 1.0)
+    if sampling.top_k > 0 or sampling.top_p < 1.0:
+        scaled = truncate_logits(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p)
+        return token_logprobs(scaled, tokens, 1.0)
+    return token_logprobs(logits, tokens, sampling.temperature)
+
+
 def sample(
     logits: Tensor, sampling: SamplingParams, generator: torch.Generator
 ) -> tuple[Tensor, Tensor]:

@@ -38,6 +38,7 @@ def test_batch_layout_and_prompt_padding(make_model):
     assert batch.response_mask.all()
     assert batch.finish_reasons == [FINISH_LENGTH] * 4
     assert batch.rollout_logp.dtype == torch.float32 and (batch.rollout_logp <= 0).all()
+    assert not any(t.is_inference() for t in (batch.response_ids, batch.response_mask, batch.rollout_logp))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

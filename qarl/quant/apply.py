@@ -1,8 +1,10 @@
 """Whole-model verbs: quantize_model, export_state, load_state, describe.
 
-Layer selection uses fnmatch patterns over module names (`model.layers.*.mlp.*`, `lm_head`).
-Default: every nn.Linear inside the blocks (`model.layers.*`); `lm_head` is opt-in through
-`include`. Embeddings stay full precision (they are a lookup, not a matmul).
+Layer selection: a pattern with a wildcard (`*?[`) is an fnmatch glob over the module name
+(`model.layers.*.mlp.*`); a plain string matches names that contain it (`q_proj`, `lm_head`),
+as the recipe's `quant.include` / `quant.exclude` document. Default: every nn.Linear inside
+the blocks (`model.layers.*`); `lm_head` is opt-in through `include`. Embeddings stay full
+precision (weight-only embedding quantization is not implemented).
 """
 
 from __future__ import annotations
@@ -19,8 +21,14 @@ from qarl.quant.schemes import Scheme, make_scheme
 DEFAULT_INCLUDE = ("model.layers.*",)
 
 
+def _matches(name: str, pattern: str) -> bool:
+    if any(c in pattern for c in "*?["):
+        return fnmatch(name, pattern)
+    return pattern in name
+
+
 def _selected(name: str, include, exclude) -> bool:
-    return any(fnmatch(name, p) for p in include) and not any(fnmatch(name, p) for p in exclude)
+    return any(_matches(name, p) for p in include) and not any(_matches(name, p) for p in exclude)
 
 
 def quantize_model(

@@ -353,6 +353,11 @@ def make_scheme(name: str | Scheme, **options) -> Scheme:
     return type(base)(**{**valid, **options}) if options else base
 
 
+def scheme_options(name: str) -> dict:
+    """{option: default} that make_scheme(name, **options) accepts (for config validation)."""
+    return SCHEMES[name].options()
+
+
 def scheme_of(qw: QWeight) -> Scheme:
     """The scheme that reads `qw` (options taken from its layout)."""
     base = SCHEMES[qw.scheme]

@@ -85,6 +85,12 @@ def test_load_state_errors():
     with pytest.raises(TypeError, match="QuantLinear"):
         load_state(plain, state)
 
+def test_plain_strings_match_as_substrings():
+    """include/exclude strings without wildcards match names containing them (recipe docs)."""
+    model = quantize_model(_model(), "w8a8-int8", include=["q_proj", "lm_head"], exclude=["layers.1"])
+    assert sorted(quant_layers(model)) == ["lm_head", "model.layers.0.self_attn.q_proj"]
+
+
 def test_quantize_model_errors():
     """Unknown scheme, mode, or a selection that matches nothing raises clearly."""
     with pytest.raises(KeyError, match="valid"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qarl.quant import SCHEMES, QWeight, make_scheme
+from qarl.quant import SCHEMES, QWeight, make_scheme, scheme_options
 from qarl.quant import numerics as nm
 
 # Quantize-dequantize SQNR floors on N(0, 1) weights, in dB. Theory for a Gaussian row with
@@ -125,3 +125,5 @@ def test_unknown_scheme_and_option():
         SCHEMES["int3"]
     with pytest.raises(TypeError, match="group_size"):
         make_scheme("w4a16-int4", groupsize=64)
+    assert scheme_options("w4a16-int4") == {"group_size": 64, "symmetric": True}
+    assert scheme_options("w8a8-fp8") == {}

@@ -39,7 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     p = argparse.ArgumentParser(prog=f"qarl {name}", description=COMMANDS[name][1])
     module.add_arguments(p)
-    args = p.parse_args(argv[1:])
+    args, rest = p.parse_known_args(argv[1:])
+    # Recipe overrides (--section.key=value) are checked by the config layer, which names
+    # the closest valid key; other unknown arguments are argparse errors.
+    if rest and not getattr(module, "ACCEPTS_OVERRIDES", False):
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.overrides = rest
     return int(module.run(args) or 0)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 PANELS = {
     "reward": ["reward/mean", "reward/accuracy"],
     "held-out accuracy": ["eval/accuracy_quantized", "eval/accuracy_full_precision"],
-    "mismatch |old - rollout| logp": ["mismatch/mean_abs_dlogp", "mismatch/max_abs_dlogp"],
+    "mismatch |old - rollout| logp": ["mismatch/abs_diff_mean", "mismatch/abs_diff_max"],
     "error tokens": ["errors/rep_ngram", "errors/rep_run", "errors/truncated",
                      "errors/lowprob_tokens", "errors/garbled"],
     "policy": ["policy/entropy", "loss/clip_frac", "loss/band_drop_frac"],

@@ -80,17 +80,24 @@ def latest(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load(folder: Path, model: nn.Module, optimizers) -> dict:
-    """Restore master weights and optimizer state in place; return the trainer state."""
+def load_weights(folder: Path, model: nn.Module) -> None:
+    """Master weights of checkpoint `folder` into `model`, every name accounted for."""
     folder = Path(folder)
     weights = load_file(folder / "model.safetensors")
     missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [n for n in missing if n in dict(model.named_parameters())]
     tied = {n for n in missing if n == "lm_head.weight"}
     if set(missing) - tied or unexpected:
         raise ValueError(
             f"checkpoint {folder} does not fit this model: missing {sorted(set(missing) - tied)[:5]}, "
             f"unexpected {sorted(unexpected)[:5]}; was it written by another recipe's model?"
         )
+
+
+def load(folder: Path, model: nn.Module, optimizers) -> dict:
+    """Restore master weights and optimizer state in place; return the trainer state."""
+    folder = Path(folder)
+    load_weights(folder, model)
     state = json.loads((folder / "state.json").read_text())
     _unflatten_optimizer(optimizers, load_file(folder / "optimizer.safetensors"), state.pop("optimizers"))
     return state

@@ -13,7 +13,7 @@ from typing import Any
 PROGRESS_FIGURES = {
     "reward/mean": "reward",
     "reward/accuracy": "acc",
-    "mismatch/max_abs_dlogp": "|dlogp|max",
+    "mismatch/abs_diff_max": "|dlogp|max",
     "errors/rep_ngram": "rep",
     "speed/tokens_per_s": "tok/s",
 }

@@ -1,0 +1,63 @@
+"""`qarl eval [RECIPE] [--checkpoint DIR] [--section.key=value ...]`: held-out evaluation.
+
+Evaluates the recipe's model (or a checkpoint's master weights) on the task's eval split with
+the quantized engine (the deployed policy) and, unless eval.full_precision is false, with the
+full-precision master weights. Prints a table, or JSON with --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ACCEPTS_OVERRIDES = True
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", nargs="?", default=None, help="recipe file or packaged name")
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="a checkpoint folder (runs/NAME/step_000020) whose weights to evaluate")
+    parser.add_argument("--json", action="store_true", help="print the metrics as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from qarl.config import ConfigError, load_config
+    from qarl.train.evaluate import evaluate
+    from qarl.train.setup import DTYPES, build_run
+    from qarl.train.sft import warm_start
+
+    try:
+        config = load_config(args.recipe, args.overrides)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    learner = None
+    if args.checkpoint is not None:
+        from qarl.model import load_model
+        from qarl.train.checkpoint import load_weights
+
+        weights_file = args.checkpoint / "model.safetensors"
+        if not weights_file.exists():
+            print(f"no model.safetensors in {args.checkpoint}: pass a step_NNNNNN folder of a run",
+                  file=sys.stderr)
+            return 2
+        learner = load_model(config.model.name, dtype=DTYPES[config.model.master_dtype])
+        load_weights(args.checkpoint, learner)
+    else:
+        learner = warm_start(config)
+    run_ = build_run(config, learner=learner)
+    try:
+        with torch.no_grad():
+            metrics = evaluate(run_, run_.eval_examples)
+    finally:
+        run_.rewards.close()
+    if args.json:
+        print(json.dumps(metrics, indent=1))
+    else:
+        for key, value in sorted(metrics.items()):
+            print(f"{key:45s} {value:.4f}")
+    return 0

@@ -1,0 +1,73 @@
+"""Held-out evaluation of the deployed (quantized) policy and of its full-precision weights."""
+
+from __future__ import annotations
+
+import torch
+
+from qarl.algo.diagnostics import error_token_metrics
+from qarl.model import CausalLM
+from qarl.rollout import LocalEngine
+from qarl.tasks import Example
+from qarl.train.phases import reward_metrics, score_responses
+from qarl.types import RolloutBatch
+
+EVAL_CHUNK = 64  # prompts per generate call: bounds the KV cache at eval time
+
+
+def full_precision_copy(learner: CausalLM) -> CausalLM:
+    """A plain CausalLM holding the learner's master weights (no quantization anywhere)."""
+    plain = CausalLM(learner.config).to(learner.model.embed_tokens.weight.dtype)
+    masters = {name: p.detach() for name, p in learner.named_parameters()}
+    missing, unexpected = plain.load_state_dict(masters, strict=False)
+    missing = [n for n in missing if not (n == "lm_head.weight" and learner.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"master weights do not map onto the plain model: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+    return plain.eval()
+
+
+def generate_all(run, engine: LocalEngine, examples: list[Example], seed: int) -> RolloutBatch:
+    prompt_ids = run.encode_prompts(examples)
+    batches = [engine.generate(prompt_ids[i : i + EVAL_CHUNK], run.eval_sampling(), seed=seed + i)
+               for i in range(0, len(prompt_ids), EVAL_CHUNK)]
+    return concat_batches(batches, engine.pad_token_id)
+
+
+def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+    P = max(b.prompt_ids.shape[1] for b in batches)
+    L = max(b.response_ids.shape[1] for b in batches)
+
+    def pad(x, width, value, left):
+        extra = width - x.shape[1]
+        filler = torch.full((x.shape[0], extra), value, dtype=x.dtype)
+        return torch.cat([filler, x] if left else [x, filler], dim=1)
+
+    return RolloutBatch(
+        prompt_ids=torch.cat([pad(b.prompt_ids, P, pad_id, True) for b in batches]),
+        prompt_mask=torch.cat([pad(b.prompt_mask, P, False, True) for b in batches]),
+        response_ids=torch.cat([pad(b.response_ids, L, pad_id, False) for b in batches]),
+        response_mask=torch.cat([pad(b.response_mask, L, False, False) for b in batches]),
+        rollout_logp=torch.cat([pad(b.rollout_logp, L, 0.0, False) for b in batches]),
+        finish_reasons=[r for b in batches for r in b.finish_reasons],
+    )
+
+
+def evaluate(run, examples: list[Example]) -> dict[str, float]:
+    """Accuracy and error-token rates on `examples`: `eval/*_quantized` from the engine (the
+    policy that is deployed), `eval/*_full_precision` from the master weights."""
+    engines = {"quantized" if run.quantized else "full_precision": run.engine}
+    if run.quantized and run.config.eval.full_precision:
+        engines["full_precision"] = LocalEngine.from_tokenizer(
+            full_precision_copy(run.learner), run.tokenizer, max_context=run.config.model.max_context)
+    metrics: dict[str, float] = {}
+    grammar = getattr(run.task, "grammar_ok", None)
+    for label, engine in engines.items():
+        batch = generate_all(run, engine, examples, seed=run.config.run.seed)
+        result, completions = score_responses(run, examples, batch, group_size=1)
+        for key, value in reward_metrics(result).items():
+            metrics[f"eval/{key.split('/', 1)[1]}_{label}"] = value
+        verdicts = [grammar(c) for c in completions] if grammar else None
+        errors = error_token_metrics(batch.response_ids, batch.response_mask, batch.finish_reasons,
+                                     grammar_ok=verdicts)
+        metrics.update({f"eval/{k}_{label}": v for k, v in errors.items()})
+    return metrics

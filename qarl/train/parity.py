@@ -1,0 +1,271 @@
+"""`qarl parity`: how far the learner's logprobs are from the sampler's, per scheme and alignment.
+
+For each quantization scheme the engine (a `kernel`-mode copy of the model) samples one batch
+of responses: same prompts, same seed for every scheme. Then, for each alignment mode, a fresh
+learner copy is built exactly as the trainer builds it (`none`: plain full precision; `fake` /
+`kernel`: `quantize_model(learner, scheme, mode=align)`), its `export_state` is pushed to the
+engine with `load_weights` (for `none` the engine receives full-precision weights and quantizes
+them itself), and the learner recomputes the batch's logprobs:
+
+- path `decode-replay`: `LocalEngine(learner).score(batch)`, the engine's own prefill + decode
+  path with the sampled tokens forced: what the trainer uses for old_logp;
+- path `full-sequence`: `qarl.train.learner.response_logprobs`, one teacher-forced forward of
+  prompt + response: the fast path the gradient comes from (reported for `kernel` alignment
+  and for the `none` scheme, to show the ~1e-6 floor of a plain forward).
+
+Each (scheme, align, path) row holds, with d_t = old_logp_t - rollout_logp_t over response
+tokens: mean / max |d_t|, k3-KL (KL(sampler || learner) per token), the sequence geometric
+mismatch ratio rho_i = exp(mean_t d_t) (mean, min, max), mean |d_t| per response-position
+bucket, the token count, whether old_logp equals rollout_logp bit for bit, and the seconds the
+arm took. Scheme `none` is the floor: both sides full precision, one row per path.
+See docs/alignment.md for what the numbers mean and a measured matrix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from qarl.types import RolloutBatch, SamplingParams
+
+ALIGNS = ("none", "fake", "kernel")
+DECODE_REPLAY, FULL_SEQUENCE = "decode-replay", "full-sequence"
+# Response-position buckets (start positions); empty buckets are left out of a row.
+POSITION_BUCKETS = (0, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+@dataclass
+class Arm:
+    """One measured (scheme, align, path): the learner's logprobs next to the batch."""
+
+    scheme: str
+    align: str
+    path: str
+    old_logp: Tensor  # [N, L] float32, the learner's logprobs of the sampled tokens
+    batch: RolloutBatch  # the engine's samples; batch.rollout_logp [N, L] float32
+    seconds: float  # learner build + weight push + scoring
+
+
+def check_names(schemes: Sequence[str], aligns: Sequence[str]) -> None:
+    """Raise one ValueError naming every unknown scheme / alignment and the valid ones."""
+    from qarl.quant import SCHEMES
+
+    problems = []
+    bad_schemes = [s for s in schemes if s not in SCHEMES]
+    if bad_schemes:
+        problems.append(f"unknown scheme(s) {bad_schemes}; valid: {sorted(SCHEMES)}")
+    bad_aligns = [a for a in aligns if a not in ALIGNS]
+    if bad_aligns:
+        problems.append(f"unknown alignment(s) {bad_aligns}; valid: {sorted(ALIGNS)}")
+    if not schemes or not aligns:
+        problems.append(f"need at least one scheme and one alignment, got schemes={list(schemes)} "
+                        f"aligns={list(aligns)}")
+    if problems:
+        raise ValueError("qarl parity: " + "; ".join(problems))
+
+
+def encode_prompts(tokenizer, num_prompts: int, seed: int) -> list[list[int]]:
+    """Held-out one-digit addition prompts, in the chat template when the tokenizer has one."""
+    from qarl.tasks import make_task
+
+    examples = make_task("addition", digits=1).examples("eval", num_prompts, seed)
+    if tokenizer.hf.chat_template is not None:
+        return [tokenizer.apply_chat(ex.prompt, system=ex.system, tokenize=True) for ex in examples]
+    return [tokenizer.encode(ex.prompt) for ex in examples]
+
+
+def _learner(pristine, scheme: str, align: str):
+    """A learner copy as `qarl.train.setup.quantize_pair` builds it."""
+    from qarl.quant import quantize_model
+
+    learner = copy.deepcopy(pristine)
+    if scheme != "none" and align != "none":
+        quantize_model(learner, scheme, mode=align)
+    return learner
+
+
+def _engine_codes(engine) -> dict[str, dict[str, Tensor]]:
+    from qarl.quant import quant_layers
+
+    return {name: layer.qweight().tensors() for name, layer in quant_layers(engine.model).items()}
+
+
+def _check_same_codes(before: dict, after: dict, scheme: str, align: str) -> None:
+    """The pushed weights must be the ones the batch was sampled with, or rollout_logp is stale."""
+    for name, tensors in before.items():
+        now = after[name]
+        if tensors.keys() != now.keys() or not all(torch.equal(tensors[k], now[k]) for k in now):
+            raise RuntimeError(
+                f"parity {scheme}/{align}: after the learner's weight push, engine layer {name} "
+                f"holds different codes or scales than it sampled with; export_state/load_state "
+                f"do not round-trip for this scheme (a bug in qarl.quant)"
+            )
+
+
+def run_arms(
+    model_name: str,
+    schemes: Sequence[str],
+    aligns: Sequence[str] = ALIGNS,
+    num_prompts: int = 16,
+    max_new_tokens: int = 24,
+    temperature: float = 1.0,
+    seed: int = 0,
+    include_full_sequence: bool = True,
+) -> Iterator[Arm]:
+    """Yield one Arm per (scheme, align, path), scheme by scheme (see the module docstring)."""
+    from qarl.model import load_model, load_tokenizer
+    from qarl.quant import export_state, quantize_model
+    from qarl.rollout import LocalEngine
+    from qarl.train.learner import response_logprobs
+
+    check_names(schemes, aligns)
+    tokenizer = load_tokenizer(model_name)
+    pristine = load_model(model_name)
+    prompts = encode_prompts(tokenizer, num_prompts, seed)
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
+    for scheme in schemes:
+        engine_model = copy.deepcopy(pristine)
+        if scheme != "none":
+            quantize_model(engine_model, scheme, mode="kernel")
+        engine = LocalEngine.from_tokenizer(engine_model, tokenizer)
+        batch = engine.generate(prompts, sampling, seed=seed)
+        sampled_with = _engine_codes(engine)
+        # Scheme none: every alignment builds the same plain learner; measure it once.
+        for align in aligns if scheme != "none" else ("none",):
+            start = time.perf_counter()
+            learner = _learner(pristine, scheme, align)
+            engine.load_weights(export_state(learner))
+            _check_same_codes(sampled_with, _engine_codes(engine), scheme, align)
+            scorer = LocalEngine.from_tokenizer(learner, tokenizer)
+            old_logp = scorer.score(batch, sampling)
+            yield Arm(scheme, align, DECODE_REPLAY, old_logp, batch, time.perf_counter() - start)
+            if include_full_sequence and (align == "kernel" or scheme == "none"):
+                start = time.perf_counter()
+                with torch.no_grad():
+                    fast, _ = response_logprobs(learner, batch, temperature)
+                yield Arm(scheme, align, FULL_SEQUENCE, fast, batch, time.perf_counter() - start)
+
+
+def arm_row(arm: Arm) -> dict:
+    """The JSON row of one arm (plain Python numbers; empty position buckets left out)."""
+    from qarl.algo.diagnostics import mismatch_by_position, mismatch_metrics
+
+    batch = arm.batch
+    m = mismatch_metrics(arm.old_logp, batch.rollout_logp, batch.response_mask)
+    buckets = mismatch_by_position(arm.old_logp, batch.rollout_logp, batch.response_mask,
+                                   POSITION_BUCKETS)
+    return {
+        "scheme": arm.scheme,
+        "align": arm.align,
+        "path": arm.path,
+        "mean_abs_dlogp": m["abs_diff_mean"],
+        "max_abs_dlogp": m["abs_diff_max"],
+        "k3_kl": m["k3_kl"],
+        "seq_ratio_mean": m["seq_ratio_mean"],
+        "seq_ratio_min": m["seq_ratio_min"],
+        "seq_ratio_max": m["seq_ratio_max"],
+        "by_position": {k: v for k, v in buckets.items() if not math.isnan(v)},
+        "bit_exact": bool(torch.equal(arm.old_logp, batch.rollout_logp)),
+        "num_tokens": int(batch.response_mask.sum()),
+        "seconds": round(arm.seconds, 3),
+    }
+
+
+def parity_matrix(
+    model_name: str = "tiny",
+    schemes: Sequence[str] | None = None,
+    aligns: Sequence[str] = ALIGNS,
+    num_prompts: int = 16,
+    max_new_tokens: int = 24,
+    temperature: float = 1.0,
+    seed: int = 0,
+    include_full_sequence: bool = True,
+) -> list[dict]:
+    """One row (see `arm_row`) per (scheme, align, path); schemes default to all of SCHEMES."""
+    from qarl.quant import SCHEMES
+
+    schemes = list(SCHEMES) if schemes is None else list(schemes)
+    arms = run_arms(model_name, schemes, aligns, num_prompts, max_new_tokens, temperature, seed,
+                    include_full_sequence)
+    return [arm_row(arm) for arm in arms]
+
+
+# ---- terminal table ----------------------------------------------------------------------
+
+
+def _num(value: float) -> str:
+    if value == 0:
+        return "0"
+    if math.isnan(value):
+        return "nan"
+    return f"{value:.2e}" if abs(value) < 1e-2 or abs(value) >= 1e4 else f"{value:.4f}"
+
+
+def format_table(rows: list[dict]) -> str:
+    """Rows as an aligned text table; one column per response-position bucket seen."""
+    buckets = sorted({b for r in rows for b in r["by_position"]}, key=lambda b: int(b.split("-")[0].rstrip("+")))
+    header = ["scheme", "align", "path", "mean|Δ|", "max|Δ|", "k3-KL", "ρ mean", "ρ min", "ρ max",
+              "exact", *(f"|Δ| @{b}" for b in buckets), "tokens", "s"]
+    lines = [header]
+    for r in rows:
+        lines.append([
+            r["scheme"], r["align"], r["path"], _num(r["mean_abs_dlogp"]), _num(r["max_abs_dlogp"]),
+            _num(r["k3_kl"]), *(f"{r[k]:.6f}" for k in ("seq_ratio_mean", "seq_ratio_min", "seq_ratio_max")),
+            "yes" if r["bit_exact"] else "no",
+            *(_num(r["by_position"][b]) if b in r["by_position"] else "-" for b in buckets),
+            str(r["num_tokens"]), f"{r['seconds']:.2f}",
+        ])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+
+
+# ---- CLI ---------------------------------------------------------------------------------
+
+
+def _names(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", help="zoo name or model folder (default: tiny)")
+    parser.add_argument("--schemes", type=_names, default=None,
+                        help="comma-separated schemes (default: all of qarl.quant.SCHEMES)")
+    parser.add_argument("--aligns", type=_names, default=list(ALIGNS),
+                        help=f"comma-separated alignment modes (default: {','.join(ALIGNS)})")
+    parser.add_argument("--prompts", type=int, default=16, help="number of prompts (default: 16)")
+    parser.add_argument("--max-new-tokens", type=int, default=24,
+                        help="response length limit (default: 24)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    parser.add_argument("--seed", type=int, default=0, help="prompt and sampling seed")
+    parser.add_argument("--no-full-sequence", action="store_true",
+                        help="skip the full-sequence (teacher-forced forward) rows")
+    parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead")
+
+
+def run(args: argparse.Namespace) -> int:
+    from qarl.quant import SCHEMES
+
+    schemes = list(SCHEMES) if args.schemes is None else args.schemes
+    try:
+        check_names(schemes, args.aligns)
+        if args.prompts < 1:
+            raise ValueError(f"qarl parity: --prompts must be >= 1, got {args.prompts}")
+        rows = parity_matrix(args.model, schemes, args.aligns, args.prompts, args.max_new_tokens,
+                             args.temperature, args.seed, not args.no_full_sequence)
+    except (ValueError, FileNotFoundError) as err:
+        print(err, file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(format_table(rows))
+    return 0

@@ -254,7 +254,7 @@ class TrainSection(BaseModel):
         description="'adamw', or 'muon' (torch.optim.Muon on 2-D weight matrices, AdamW on the "
         "rest).",
     )
-    lr: float = Field(..., gt=0, description="Peak learning rate.")
+    lr: float = Field(..., ge=0, description="Peak learning rate. 0 is a dry run: every phase runs, the weights (and so the engine's codes) never change.")
     min_lr: float = Field(
         0.0, ge=0, description="Floor of the cosine/linear decay; at most lr."
     )

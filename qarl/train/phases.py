@@ -98,6 +98,7 @@ def update_policy(run, optimizers, batch: RolloutBatch, old_logp: Tensor, advant
     N, mb = batch.num_sequences, train.micro_batch_size
     totals: dict[str, float] = {}
     entropy_sum, entropy_count = 0.0, 0
+    skipped = 0
     learner = run.learner
     learner.train()
     for epoch in range(algo.epochs):
@@ -118,14 +119,20 @@ def update_policy(run, optimizers, batch: RolloutBatch, old_logp: Tensor, advant
                 entropy_sum += float((entropy * sub.response_mask).sum())
                 entropy_count += int(sub.response_mask.sum())
         grad_norm = clip_gradients(learner, train.grad_clip)
+        # No learning signal (every group's rewards equal, or every row masked): skip the
+        # step, or Adam's momentum alone would keep moving the weights.
+        if grad_norm > 0:
+            for opt in optimizers:
+                opt.step()
         for opt in optimizers:
-            opt.step()
             opt.zero_grad(set_to_none=True)
+        skipped += grad_norm == 0
     learner.eval()
     totals.update(metrics_to_floats({f"correction/{k}": v for k, v in correction.metrics.items()}))
     totals["policy/entropy"] = entropy_sum / max(1, entropy_count)
     totals["policy/grad_norm"] = grad_norm
     totals["policy/lr"] = lr
+    totals["policy/skipped_steps"] = skipped
     return totals
 
 

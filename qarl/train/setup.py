@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,6 +120,16 @@ def quantize_pair(learner: CausalLM, config: RunConfig) -> CausalLM:
     return engine_model
 
 
+def report_dataset(task: Task, run_dir: Path) -> None:
+    """Bad rows of a dataset file are counted, never silently dropped: print the counts and
+    keep them in the run folder (dataset_report.txt)."""
+    reports = [r for r in (getattr(task, "report", None), getattr(task, "eval_report", None)) if r]
+    if reports:
+        text = "\n".join(r.summary() for r in reports)
+        (run_dir / "dataset_report.txt").write_text(text + "\n")
+        print(text, file=sys.stderr)
+
+
 def build_run(config: RunConfig, learner: CausalLM | None = None) -> Run:
     """Create the run folder and every object of the run. `learner`, when given, replaces
     loading `model.name` (warm-started weights)."""
@@ -133,6 +144,7 @@ def build_run(config: RunConfig, learner: CausalLM | None = None) -> Run:
     engine = LocalEngine.from_tokenizer(engine_model, tokenizer, max_context=config.model.max_context)
     scorer = LocalEngine.from_tokenizer(learner, tokenizer, max_context=config.model.max_context)
     task = build_task(config)
+    report_dataset(task, run_dir)
     reward_spec = config.task.reward or task.reward_spec
     rewards = RewardRunner(reward_spec, num_workers=config.task.reward_workers,
                            timeout_s=config.task.reward_timeout_s)

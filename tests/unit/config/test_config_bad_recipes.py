@@ -77,7 +77,7 @@ BAD_RECIPES = [
      ["algo.overlong.l_max: 64 exceeds rollout.max_new_tokens (32)"]),
     ("overlong-missing", ["--algo.overlong={l_max = 16}"],
      ["algo.overlong.l_cache: required but missing"]),
-    ("lr-zero", ["--train.lr=0"], ["train.lr: should be greater than 0", "(got 0)"]),
+    ("lr-negative", ["--train.lr=-1e-5"], ["train.lr: should be greater than or equal to 0", "(got -1e-05)"]),
     ("min-lr-above-lr", ["--train.min_lr=1e-3"],
      ["train.min_lr: 0.001 is above train.lr (0.0001)"]),
     ("warmup-longer-than-run", ["--train.warmup_steps=5"],

@@ -259,8 +259,13 @@ def run(args: argparse.Namespace) -> int:
         check_names(schemes, args.aligns)
         if args.prompts < 1:
             raise ValueError(f"qarl parity: --prompts must be >= 1, got {args.prompts}")
-        rows = parity_matrix(args.model, schemes, args.aligns, args.prompts, args.max_new_tokens,
-                             args.temperature, args.seed, not args.no_full_sequence)
+        arms = run_arms(args.model, schemes, args.aligns, args.prompts, args.max_new_tokens,
+                        args.temperature, args.seed, not args.no_full_sequence)
+        rows = []
+        for arm in arms:  # one progress line per arm on stderr: a smollm2 matrix takes minutes
+            rows.append(arm_row(arm))
+            print(f"parity {arm.scheme}/{arm.align}/{arm.path}: mean|Δ| "
+                  f"{_num(rows[-1]['mean_abs_dlogp'])} ({arm.seconds:.1f} s)", file=sys.stderr)
     except (ValueError, FileNotFoundError) as err:
         print(err, file=sys.stderr)
         return 2

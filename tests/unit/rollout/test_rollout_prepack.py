@@ -1,11 +1,15 @@
-"""oneDNN-prepacked linears: same products up to rounding, restored modules, never stale."""
+"""oneDNN-prepacked, fused decoding: same products up to rounding, restored modules, never
+stale, and `score` on a second model with the same weights bit-identical to `generate`."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 from torch import nn
 
+from qarl.model.decoder import Block
 from qarl.rollout import LocalEngine
 from qarl.rollout.prepack import LinearPrepacker, prepack_available
 from qarl.types import SamplingParams
@@ -14,60 +18,146 @@ pytestmark = pytest.mark.skipif(
     not prepack_available(torch.device("cpu")), reason="torch built without oneDNN"
 )
 PROMPTS = [[5, 17, 3, 99, 42], [7, 8], [1, 2, 3]]
+GREEDY = SamplingParams(max_new_tokens=10, greedy=True)
+SHORT = SamplingParams(max_new_tokens=4, greedy=True)  # enough to see a changed weight
+FAMILIES = ["llama", "qwen2", "qwen3"]  # qwen2: q/k/v biases; qwen3: per-head q/k RMSNorm
 
 
-def test_packed_products_match_f_linear_and_forward_is_restored(make_model):
-    """Inside the block every nn.Linear uses a packed weight and its output equals F.linear
-    to fp32 rounding (1e-5 on logits of size ~10); outside it the class forward is back."""
-    model = make_model()
-    ids = torch.tensor(PROMPTS[:1])
+def patched(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if "forward" in m.__dict__]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_blocks_match_plain_forward_and_forwards_are_restored(make_model, family):
+    """Inside the block every decoder block runs fused and lm_head packed, and the logits of a
+    ragged, cached-free forward equal the plain forward to fp32 rounding (1e-5 on logits of
+    size ~10); outside it every class forward is back."""
+    model = make_model(family=family)
+    ids = torch.tensor([PROMPTS[0], [7, 8, 1, 2, 3]])
     with torch.no_grad():
         plain = model.logits(ids)
-        with LinearPrepacker().applied(model, batch_hint=1):
-            assert all("forward" in m.__dict__ for m in model.modules() if type(m) is nn.Linear)
-            packed = model.logits(ids)
-    assert not any("forward" in m.__dict__ for m in model.modules())
-    torch.testing.assert_close(packed, plain, atol=1e-5, rtol=0)
+        with LinearPrepacker().applied(model, batch_hint=2):
+            assert set(patched(model)) == {*model.model.layers, model.lm_head}
+            fused = model.logits(ids)
+    assert patched(model) == []
+    torch.testing.assert_close(fused, plain, atol=1e-5, rtol=0)
 
 
-def test_engine_with_and_without_prepack_agree(make_model):
-    """Greedy tokens are the same with prepacked and plain linears; logprobs within 1e-5."""
-    model = make_model()
-    greedy = SamplingParams(max_new_tokens=10, greedy=True)
-    fast = LocalEngine(model, eos_token_ids=()).generate(PROMPTS, greedy, seed=0)
-    plain = LocalEngine(model, eos_token_ids=(), prepack_weights=False).generate(PROMPTS, greedy, seed=0)
-    assert torch.equal(fast.response_ids, plain.response_ids)
-    torch.testing.assert_close(fast.rollout_logp, plain.rollout_logp, atol=1e-5, rtol=0)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_per_linear_and_unpacked_engines_agree(make_model, family):
+    """Greedy tokens are the same with fused blocks, per-linear packing and F.linear
+    (prepack_weights=False); logprobs agree within 1e-5."""
+    model = make_model(family=family)
+    fused = LocalEngine(model, eos_token_ids=()).generate(PROMPTS, GREEDY, seed=0)
+    per_linear = LocalEngine(model, eos_token_ids=())
+    per_linear._prepacker = LinearPrepacker(fuse_blocks=False)
+    linear = per_linear.generate(PROMPTS, GREEDY, seed=0)
+    with LinearPrepacker(fuse_blocks=False).applied(model, batch_hint=1):
+        assert set(patched(model)) == {m for m in model.modules() if type(m) is nn.Linear}
+    plain = LocalEngine(model, eos_token_ids=(), prepack_weights=False).generate(PROMPTS, GREEDY, seed=0)
+    for other in (linear, plain):
+        assert torch.equal(fused.response_ids, other.response_ids)
+        torch.testing.assert_close(fused.rollout_logp, other.rollout_logp, atol=1e-5, rtol=0)
 
 
-def test_in_place_weight_update_is_never_served_stale(make_model):
-    """After an in-place update of the weights (what load_weights and optimizer steps do), the
-    engine generates with the new weights: same output as a fresh engine."""
-    model, donor = make_model(seed=0), make_model(seed=1)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_score_on_a_twin_model_reproduces_generate_bit_for_bit(make_model, family):
+    """The trainer's setup: one engine samples, a second engine around another model object
+    with the same weights (each with its own packed copies) scores the batch; the sampler
+    logprobs are reproduced exactly, with and without prepacking."""
+    model = make_model(family=family)
+    twin = copy.deepcopy(model)
+    sampling = SamplingParams(max_new_tokens=12, temperature=0.9)
+    for prepack in (True, False):
+        batch = LocalEngine(model, eos_token_ids=(3,), prepack_weights=prepack).generate(
+            PROMPTS, sampling, seed=4
+        )
+        scorer = LocalEngine(twin, eos_token_ids=(3,), prepack_weights=prepack)
+        assert torch.equal(scorer.score(batch, sampling), batch.rollout_logp)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_updating_any_single_parameter_is_never_served_stale(make_model, family):
+    """After an in-place update of just one parameter (a k_proj weight inside a fused q/k/v
+    pack, a q_proj bias, a q-norm weight, the untied lm_head), the engine generates what a
+    fresh engine on the updated model generates."""
+    model = make_model(family=family)
     engine = LocalEngine(model, eos_token_ids=())
-    greedy = SamplingParams(max_new_tokens=10, greedy=True)
-    before = engine.generate(PROMPTS, greedy, seed=0)
-    with torch.no_grad():
-        for name, tensor in donor.state_dict().items():
-            model.state_dict()[name].copy_(tensor)
-    after = engine.generate(PROMPTS, greedy, seed=0)
-    fresh = LocalEngine(donor, eos_token_ids=()).generate(PROMPTS, greedy, seed=0)
-    assert not torch.equal(before.response_ids, after.response_ids)
-    assert torch.equal(after.response_ids, fresh.response_ids)
-    assert torch.equal(after.rollout_logp, fresh.rollout_logp)
+    before = engine.generate(PROMPTS, SHORT, seed=0)
+    names = ["model.layers.1.self_attn.k_proj.weight", "lm_head.weight"]
+    names.append(
+        "model.layers.0.self_attn.q_proj.bias" if family == "qwen2"
+        else "model.layers.0.self_attn.q_norm.weight"
+    )
+    params = dict(model.named_parameters())
+    for name in names:
+        with torch.no_grad():
+            params[name].mul_(-1.5)
+        after = engine.generate(PROMPTS, SHORT, seed=0)
+        fresh = LocalEngine(copy.deepcopy(model), eos_token_ids=()).generate(PROMPTS, SHORT, seed=0)
+        assert not torch.equal(after.rollout_logp, before.rollout_logp), name
+        assert torch.equal(after.rollout_logp, fresh.rollout_logp), name
+        before = after
 
 
-def test_only_plain_fp32_linears_are_packed(make_model):
-    """bf16 layers and nn.Linear subclasses (e.g. quantized layers) keep their own forward."""
+def test_optimizer_step_and_replaced_parameters_are_never_served_stale(make_model):
+    """An optimizer step (in-place, bumps the version counter) and a parameter replaced by a
+    new tensor both reach the next generate."""
+    model = make_model()
+    engine = LocalEngine(model, eos_token_ids=())
+    engine.generate(PROMPTS, SHORT, seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model.logits(torch.tensor(PROMPTS[:1])).logsumexp(-1).sum().backward()
+    optimizer.step()
+    stepped = engine.generate(PROMPTS, SHORT, seed=0)
+    assert torch.equal(
+        stepped.rollout_logp,
+        LocalEngine(copy.deepcopy(model), eos_token_ids=()).generate(PROMPTS, SHORT, seed=0).rollout_logp,
+    )
+    up = model.model.layers[0].mlp.up_proj
+    up.weight = nn.Parameter(up.weight.detach() * 2)
+    replaced = engine.generate(PROMPTS, SHORT, seed=0)
+    assert torch.equal(
+        replaced.rollout_logp,
+        LocalEngine(copy.deepcopy(model), eos_token_ids=()).generate(PROMPTS, SHORT, seed=0).rollout_logp,
+    )
+
+
+def test_only_plain_fp32_linears_are_packed_and_partly_custom_blocks_are_not_fused(make_model):
+    """A block with a non-plain linear (e.g. a quantized layer) or a forward hook keeps its own
+    forward; its plain linears are packed one by one, the custom one is left alone; bf16
+    models are not touched."""
 
     class Custom(nn.Linear):
         pass
 
     model = make_model()
+    model.model.layers[0].mlp.up_proj.__class__ = Custom
+    model.model.layers[1].self_attn.register_forward_hook(lambda *args: None)
+    with LinearPrepacker().applied(model, batch_hint=1):
+        first, second = model.model.layers
+        assert "forward" not in first.__dict__ and "forward" not in second.__dict__
+        assert "forward" not in first.mlp.up_proj.__dict__
+        assert "forward" in first.mlp.gate_proj.__dict__
+        assert "forward" in second.self_attn.q_proj.__dict__
+    model = make_model()
     model.lm_head.__class__ = Custom
     with LinearPrepacker().applied(model, batch_hint=1):
-        assert "forward" not in model.lm_head.__dict__
-        assert "forward" in model.model.layers[0].mlp.up_proj.__dict__
+        assert set(patched(model)) == set(model.model.layers)
+        assert all(type(m) is Block for m in patched(model))
     bf16 = make_model(dtype=torch.bfloat16)
     with LinearPrepacker().applied(bf16, batch_hint=1):
-        assert not any("forward" in m.__dict__ for m in bf16.modules())
+        assert patched(bf16) == []
+
+
+def test_quantized_model_keeps_its_kernels_and_scores_exactly(make_model):
+    """A qarl.quant model (int8 kernel mode) has no plain linears in its blocks: no block is
+    fused, only the plain lm_head is packed, and score reproduces generate exactly."""
+    from qarl.quant import quantize_model
+
+    model = quantize_model(make_model(), "w8a8-int8", mode="kernel", exclude=["lm_head"])
+    with LinearPrepacker().applied(model, batch_hint=1):
+        assert patched(model) == [model.lm_head]
+    sampling = SamplingParams(max_new_tokens=8)
+    batch = LocalEngine(model, eos_token_ids=()).generate(PROMPTS, sampling, seed=1)
+    assert torch.equal(LocalEngine(model, eos_token_ids=()).score(batch, sampling), batch.rollout_logp)

@@ -4,7 +4,10 @@ Both decode greedily, ignore EOS and produce exactly `--new-tokens` tokens per r
 same weights and the same prompts. Decode time per step is
 (time(generate N tokens) - time(generate 1 token)) / (N - 1), which removes the prefill and
 the fixed per-call costs of both implementations the same way; each timing is the best of
-`--repeats` interleaved runs after one warm-up call.
+`--repeats` interleaved runs after one warm-up call. Process CPU time per step is reported
+too: with `--threads 1` it is the figure least disturbed by other jobs on a shared machine
+(with more threads it includes OpenMP spin-waiting). The load average before and after the run
+is recorded, since absolute times on a loaded machine mean little.
 
     .venv/bin/python benchmarks/engine_throughput.py --models qwen3-109m --batches 16 --dtypes fp32
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 
@@ -50,8 +54,11 @@ def hf_twin(model: CausalLM):
     return twin.to(model.lm_head.weight.dtype).eval()
 
 
-def decode_ms_per_step(generators: dict, new_tokens: int, repeats: int) -> dict[str, float]:
-    """Per-step decode milliseconds of each named `generate(n)`, timed interleaved.
+def decode_ms_per_step(
+    generators: dict, new_tokens: int, repeats: int
+) -> dict[str, tuple[float, float]]:
+    """Per-step decode milliseconds (wall, process CPU) of each named `generate(n)`, timed
+    interleaved.
 
     (t(N) - t(1)) / (N - 1) removes prefill and per-call overhead. The implementations take
     turns within each repeat and the best time of each is kept, so a burst of load from other
@@ -59,15 +66,21 @@ def decode_ms_per_step(generators: dict, new_tokens: int, repeats: int) -> dict[
     """
     for generate in generators.values():
         generate(2)  # warm-up: allocator, kernels, lazy inits
-    best = {(name, n): float("inf") for name in generators for n in (1, new_tokens)}
+    clocks = (time.perf_counter, time.process_time)
+    best = {
+        (name, n, c): float("inf") for name in generators for n in (1, new_tokens) for c in clocks
+    }
     for _ in range(repeats):
         for n in (new_tokens, 1):
             for name, generate in generators.items():
-                start = time.perf_counter()
+                start = [clock() for clock in clocks]
                 generate(n)
-                best[name, n] = min(best[name, n], time.perf_counter() - start)
+                for clock, began in zip(clocks, start):
+                    best[name, n, clock] = min(best[name, n, clock], clock() - began)
     return {
-        name: 1000 * (best[name, new_tokens] - best[name, 1]) / (new_tokens - 1)
+        name: tuple(
+            1000 * (best[name, new_tokens, c] - best[name, 1, c]) / (new_tokens - 1) for c in clocks
+        )
         for name in generators
     }
 
@@ -106,11 +119,13 @@ def run_case(model, batch_size, args, with_hf) -> dict:
         generators["hf"] = theirs(model, prompts)
     ms = decode_ms_per_step(generators, args.new_tokens, args.repeats)
     case = {"batch": batch_size}
-    for name, step_ms in ms.items():
+    for name, (step_ms, cpu_ms) in ms.items():
         case[f"{name}_ms_per_step"] = round(step_ms, 2)
+        case[f"{name}_cpu_ms_per_step"] = round(cpu_ms, 2)
         case[f"{name}_tokens_per_s"] = round(1000 * batch_size / step_ms, 1)
     if with_hf:
-        case["speedup"] = round(ms["hf"] / ms["qarl"], 2)
+        case["speedup"] = round(ms["hf"][0] / ms["qarl"][0], 2)
+        case["cpu_speedup"] = round(ms["hf"][1] / ms["qarl"][1], 2)
     return case
 
 
@@ -119,11 +134,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--models", default="tiny,qwen3-109m,smollm2-135m",
                         help="comma-separated: zoo names, local paths, or qwen3-109m")
     parser.add_argument("--batches", default="1,16,64", help="comma-separated batch sizes")
-    parser.add_argument("--dtypes", default="fp32,bf16", help=f"comma-separated, of {sorted(DTYPES)}")
+    parser.add_argument("--dtypes", default="fp32,bf16",
+                        help=f"comma-separated, of {sorted(DTYPES)}")
     parser.add_argument("--new-tokens", type=int, default=32, help="decode steps timed per call")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2, help="timed calls per figure (best kept)")
     parser.add_argument("--no-hf", action="store_true", help="time only qarl's engine")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads for both implementations (default: torch's)")
     args = parser.parse_args(argv)
     unknown = [d for d in args.dtypes.split(",") if d not in DTYPES]
     if unknown:
@@ -131,9 +149,15 @@ def main(argv=None) -> dict:
     if args.new_tokens < 2:
         parser.error(f"--new-tokens must be >= 2 to time decode steps, got {args.new_tokens}")
 
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+
     report = {
         "benchmark": "engine_throughput", "torch": torch.__version__,
         "threads": torch.get_num_threads(), "machine": platform.machine(),
+        "load_average_before": [round(x, 2) for x in os.getloadavg()],
         "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "results": [],
     }
     for name in args.models.split(","):
@@ -150,6 +174,7 @@ def main(argv=None) -> dict:
                 run_case(model, int(b), args, not args.no_hf) for b in args.batches.split(",")
             ]
             report["results"].append(entry)
+    report["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(report, indent=1))
     return report
 

@@ -213,7 +213,9 @@ class LinearPrepacker:
             for module in packs:
                 del module.forward  # back to the class forward
 
-    def _cached(self, module: nn.Module, sources: list[Tensor], build) -> tuple[tuple | None, object]:
+    def _cached(
+        self, module: nn.Module, sources: list[Tensor], build
+    ) -> tuple[tuple | None, object]:
         key = _version_key(sources)
         cached = self._packs.get(module)
         if key is not None and cached is not None and cached[0] == key:

@@ -27,6 +27,12 @@ def patched(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if "forward" in m.__dict__]
 
 
+def fresh_logp(model: nn.Module) -> torch.Tensor:
+    """Greedy logprobs of a new engine (no packed weights yet) on a copy of `model`."""
+    engine = LocalEngine(copy.deepcopy(model), eos_token_ids=())
+    return engine.generate(PROMPTS, SHORT, seed=0).rollout_logp
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_blocks_match_plain_forward_and_forwards_are_restored(make_model, family):
     """Inside the block every decoder block runs fused and lm_head packed, and the logits of a
@@ -54,7 +60,8 @@ def test_fused_per_linear_and_unpacked_engines_agree(make_model, family):
     linear = per_linear.generate(PROMPTS, GREEDY, seed=0)
     with LinearPrepacker(fuse_blocks=False).applied(model, batch_hint=1):
         assert set(patched(model)) == {m for m in model.modules() if type(m) is nn.Linear}
-    plain = LocalEngine(model, eos_token_ids=(), prepack_weights=False).generate(PROMPTS, GREEDY, seed=0)
+    unpacked = LocalEngine(model, eos_token_ids=(), prepack_weights=False)
+    plain = unpacked.generate(PROMPTS, GREEDY, seed=0)
     for other in (linear, plain):
         assert torch.equal(fused.response_ids, other.response_ids)
         torch.testing.assert_close(fused.rollout_logp, other.rollout_logp, atol=1e-5, rtol=0)
@@ -94,9 +101,8 @@ def test_updating_any_single_parameter_is_never_served_stale(make_model, family)
         with torch.no_grad():
             params[name].mul_(-1.5)
         after = engine.generate(PROMPTS, SHORT, seed=0)
-        fresh = LocalEngine(copy.deepcopy(model), eos_token_ids=()).generate(PROMPTS, SHORT, seed=0)
         assert not torch.equal(after.rollout_logp, before.rollout_logp), name
-        assert torch.equal(after.rollout_logp, fresh.rollout_logp), name
+        assert torch.equal(after.rollout_logp, fresh_logp(model)), name
         before = after
 
 
@@ -110,17 +116,11 @@ def test_optimizer_step_and_replaced_parameters_are_never_served_stale(make_mode
     model.logits(torch.tensor(PROMPTS[:1])).logsumexp(-1).sum().backward()
     optimizer.step()
     stepped = engine.generate(PROMPTS, SHORT, seed=0)
-    assert torch.equal(
-        stepped.rollout_logp,
-        LocalEngine(copy.deepcopy(model), eos_token_ids=()).generate(PROMPTS, SHORT, seed=0).rollout_logp,
-    )
+    assert torch.equal(stepped.rollout_logp, fresh_logp(model))
     up = model.model.layers[0].mlp.up_proj
     up.weight = nn.Parameter(up.weight.detach() * 2)
     replaced = engine.generate(PROMPTS, SHORT, seed=0)
-    assert torch.equal(
-        replaced.rollout_logp,
-        LocalEngine(copy.deepcopy(model), eos_token_ids=()).generate(PROMPTS, SHORT, seed=0).rollout_logp,
-    )
+    assert torch.equal(replaced.rollout_logp, fresh_logp(model))
 
 
 def test_only_plain_fp32_linears_are_packed_and_partly_custom_blocks_are_not_fused(make_model):
@@ -160,4 +160,5 @@ def test_quantized_model_keeps_its_kernels_and_scores_exactly(make_model):
         assert patched(model) == [model.lm_head]
     sampling = SamplingParams(max_new_tokens=8)
     batch = LocalEngine(model, eos_token_ids=()).generate(PROMPTS, sampling, seed=1)
-    assert torch.equal(LocalEngine(model, eos_token_ids=()).score(batch, sampling), batch.rollout_logp)
+    scored = LocalEngine(model, eos_token_ids=()).score(batch, sampling)
+    assert torch.equal(scored, batch.rollout_logp)

@@ -35,6 +35,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
+    # Its own run folder: never overwrite (or wait on the lock of) the training run's.
+    config = config.model_copy(update={"run": config.run.model_copy(
+        update={"name": f"{config.run.name}-eval"})})
     learner = None
     if args.checkpoint is not None:
         from qarl.model import load_model
@@ -54,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         with torch.no_grad():
             metrics = evaluate(run_, run_.eval_examples)
     finally:
-        run_.rewards.close()
+        run_.close()
     if args.json:
         print(json.dumps(metrics, indent=1))
     else:

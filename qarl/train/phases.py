@@ -15,7 +15,7 @@ from torch import Tensor
 from qarl.algo import LOSSES, apply_corrections, global_counts, group_advantages, overlong_penalty
 from qarl.algo.common import metrics_to_floats
 from qarl.tasks import Example, RewardResult
-from qarl.train.learner import aligned_logprobs, response_logprobs
+from qarl.train.learner import aligned_logprobs, replay_logprobs, response_logprobs
 from qarl.train.optim import learning_rate, set_learning_rate
 from qarl.types import RolloutBatch
 
@@ -79,9 +79,10 @@ def update_policy(run, optimizers, batch: RolloutBatch, old_logp: Tensor, advant
     """K epochs; each accumulates every micro-batch, then takes one optimizer step.
 
     The loss is aggregated with counts of the WHOLE batch (global_counts), so how the batch
-    is split into micro-batches does not change the update. In the first epoch the policy
-    still equals the one that produced old_logp, and the exact old_logp values are used
-    (aligned_logprobs): the ratio is exactly 1, gradients come from the fast forward.
+    is split into micro-batches does not change the update. logp takes its value from the
+    engine's decode path and its gradient from the fast forward (aligned_logprobs): in the
+    first epoch that value is old_logp itself (the ratio is exactly 1); later epochs replay
+    the micro-batch with the updated weights.
     """
     cfg, algo, train = run.config, run.config.algo, run.config.train
     mask = batch.response_mask & rows[:, None]  # [N, L] bool
@@ -106,7 +107,11 @@ def update_policy(run, optimizers, batch: RolloutBatch, old_logp: Tensor, advant
             idx = torch.arange(start, min(N, start + mb))
             sub = batch.select(idx)
             fast, entropy = response_logprobs(learner, sub, cfg.rollout.temperature)
-            logp = aligned_logprobs(fast, old_logp[idx]) if epoch == 0 else fast
+            # the value always comes from the engine path (exact); after the first step it
+            # must be recomputed: the fast path alone is 1e-4..1e-2 off for quantized
+            # formats (docs/alignment.md), more than TBPO's clip band
+            exact = old_logp[idx] if epoch == 0 else replay_logprobs(run.scorer, sub, run.sampling())
+            logp = aligned_logprobs(fast, exact)
             loss, metrics = LOSSES[algo.loss](
                 logp, old_logp[idx], sub.rollout_logp, advantages[idx], loss_mask[idx],
                 is_weights=correction.weights[idx], **counts, **params,

@@ -12,10 +12,12 @@ Two copies of the policy live in one process, as they would on two machines:
 from __future__ import annotations
 
 import copy
+import fcntl
 import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import torch
 
@@ -74,6 +76,11 @@ class Run:
     eval_examples: list[Example]
     prompts: PromptEncoder
     scorer: LocalEngine  # the engine's decode path around the LEARNER model: old_logp
+    lock: IO  # held open for the whole run: one process per run folder
+
+    def close(self) -> None:
+        self.rewards.close()
+        self.lock.close()  # releases the flock
 
     @property
     def quantized(self) -> bool:
@@ -130,25 +137,45 @@ def report_dataset(task: Task, run_dir: Path) -> None:
         print(text, file=sys.stderr)
 
 
+def lock_run_dir(run_dir: Path) -> IO:
+    """An exclusive lock on the run folder: two processes writing one folder's metrics and
+    checkpoints would corrupt both runs."""
+    handle = open(run_dir / ".lock", "w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise RuntimeError(
+            f"another qarl process is running in {run_dir}; wait for it, or give this run "
+            f"another name (--run.name=...) or output folder (--run.output_dir=...)"
+        ) from None
+    return handle
+
+
 def build_run(config: RunConfig, learner: CausalLM | None = None) -> Run:
     """Create the run folder and every object of the run. `learner`, when given, replaces
     loading `model.name` (warm-started weights)."""
     run_dir = Path(config.run.output_dir) / config.run.name
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_resolved(config, run_dir)
-    torch.manual_seed(config.run.seed)
-    tokenizer = load_tokenizer(config.model.name)
-    if learner is None:
-        learner = load_model(config.model.name, dtype=DTYPES[config.model.master_dtype])
-    engine_model = quantize_pair(learner, config)
-    engine = LocalEngine.from_tokenizer(engine_model, tokenizer, max_context=config.model.max_context)
-    scorer = LocalEngine.from_tokenizer(learner, tokenizer, max_context=config.model.max_context)
-    task = build_task(config)
-    report_dataset(task, run_dir)
-    reward_spec = config.task.reward or task.reward_spec
-    rewards = RewardRunner(reward_spec, num_workers=config.task.reward_workers,
-                           timeout_s=config.task.reward_timeout_s)
-    eval_examples = task.examples("eval", config.eval.size, config.run.seed)
-    prompts = PromptEncoder(config, tokenizer, task)
-    return Run(config, run_dir, task, tokenizer, learner, engine, rewards, eval_examples, prompts,
-               scorer)
+    lock = lock_run_dir(run_dir)
+    try:
+        save_resolved(config, run_dir)
+        torch.manual_seed(config.run.seed)
+        tokenizer = load_tokenizer(config.model.name)
+        if learner is None:
+            learner = load_model(config.model.name, dtype=DTYPES[config.model.master_dtype])
+        engine_model = quantize_pair(learner, config)
+        engine = LocalEngine.from_tokenizer(engine_model, tokenizer, max_context=config.model.max_context)
+        scorer = LocalEngine.from_tokenizer(learner, tokenizer, max_context=config.model.max_context)
+        task = build_task(config)
+        report_dataset(task, run_dir)
+        reward_spec = config.task.reward or task.reward_spec
+        rewards = RewardRunner(reward_spec, num_workers=config.task.reward_workers,
+                               timeout_s=config.task.reward_timeout_s)
+        eval_examples = task.examples("eval", config.eval.size, config.run.seed)
+        prompts = PromptEncoder(config, tokenizer, task)
+        return Run(config, run_dir, task, tokenizer, learner, engine, rewards, eval_examples, prompts,
+                   scorer, lock)
+    except BaseException:
+        lock.close()
+        raise

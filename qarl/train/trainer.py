@@ -38,7 +38,7 @@ def train(recipe: str | Path | Mapping | RunConfig | None = None,
     try:
         return _train(run)
     finally:
-        run.rewards.close()
+        run.close()
 
 
 def _train(run) -> dict[str, Any]:

@@ -79,7 +79,7 @@ def _one_update(config, micro_batch_size):
         update_policy(run, optimizers, batch, old_logp, advantages, rows, step=0)
         return before, {n: p.detach().clone() for n, p in run.learner.named_parameters()}
     finally:
-        run.rewards.close()
+        run.close()
 
 
 def test_micro_batching_does_not_change_the_update(tmp_path):
@@ -128,3 +128,17 @@ def test_zero_learning_rate_keeps_codes_and_exact_parity(tmp_path):
     assert [r["sync/changed_code_frac"] for r in rows] == [0.0] * len(rows)
     assert [r["mismatch/abs_diff_max"] for r in rows] == [0.0] * len(rows)
     assert all(r["sync/seconds"] > 0 for r in rows)
+
+
+def test_one_process_per_run_folder(tmp_path):
+    """A second run in the folder of a live run fails at once with a message that says what
+    to do; once the first run is closed the folder is free again."""
+    from qarl.train.setup import lock_run_dir
+
+    run = build_run(load_config("tiny", _overrides(tmp_path)))
+    try:
+        with pytest.raises(RuntimeError, match="another qarl process is running in .*--run.name"):
+            lock_run_dir(run.run_dir)
+    finally:
+        run.close()
+    lock_run_dir(run.run_dir).close()

@@ -85,8 +85,8 @@ def decode_ms_per_step(
     }
 
 
-def ours(model: CausalLM, prompts: list[list[int]]):
-    engine = LocalEngine(model, eos_token_ids=(), pad_token_id=0)
+def ours(model: CausalLM, prompts: list[list[int]], fuse_blocks: bool = True):
+    engine = LocalEngine(model, eos_token_ids=(), pad_token_id=0, fuse_blocks=fuse_blocks)
 
     def generate(n: int):
         batch = engine.generate(prompts, SamplingParams(max_new_tokens=n, greedy=True), seed=0)
@@ -115,6 +115,8 @@ def run_case(model, batch_size, args, with_hf) -> dict:
         1, model.config.vocab_size, (batch_size, args.prompt_len), generator=generator
     ).tolist()
     generators = {"qarl": ours(model, prompts)}
+    if args.unfused:
+        generators["qarl_unfused"] = ours(model, prompts, fuse_blocks=False)
     if with_hf:
         generators["hf"] = theirs(model, prompts)
     ms = decode_ms_per_step(generators, args.new_tokens, args.repeats)
@@ -124,8 +126,10 @@ def run_case(model, batch_size, args, with_hf) -> dict:
         case[f"{name}_cpu_ms_per_step"] = round(cpu_ms, 2)
         case[f"{name}_tokens_per_s"] = round(1000 * batch_size / step_ms, 1)
     if with_hf:
-        case["speedup"] = round(ms["hf"][0] / ms["qarl"][0], 2)
-        case["cpu_speedup"] = round(ms["hf"][1] / ms["qarl"][1], 2)
+        for name in ms.keys() - {"hf"}:
+            suffix = name.removeprefix("qarl")
+            case[f"speedup{suffix}"] = round(ms["hf"][0] / ms[name][0], 2)
+            case[f"cpu_speedup{suffix}"] = round(ms["hf"][1] / ms[name][1], 2)
     return case
 
 
@@ -140,6 +144,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2, help="timed calls per figure (best kept)")
     parser.add_argument("--no-hf", action="store_true", help="time only qarl's engine")
+    parser.add_argument("--unfused", action="store_true",
+                        help="also time qarl with per-linear packing only (fuse_blocks=False)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads for both implementations (default: torch's)")
     args = parser.parse_args(argv)

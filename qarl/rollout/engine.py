@@ -59,8 +59,10 @@ class LocalEngine:
     () = none. pad_token_id fills prompt and response padding. max_context bounds prompt +
     response length (default `model.config.max_position_embeddings`): generation stops there
     with finish reason "length" even before `max_new_tokens`. prepack_weights: on CPU, run
-    plain fp32 linears on oneDNN-prepacked weights while generating (faster; rounding differs
-    from `F.linear` by ~1e-6 relative, see `qarl.rollout.prepack`); False uses `F.linear`.
+    plain fp32 linears on oneDNN-prepacked weights while generating, and decoder blocks made
+    only of such linears as fused blocks (faster; rounding differs from `F.linear` by ~1e-6
+    relative, see `qarl.rollout.prepack`); False uses the model's own forward. fuse_blocks:
+    False packs each linear on its own instead of fusing blocks (for comparison).
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class LocalEngine:
         pad_token_id: int = 0,
         max_context: int | None = None,
         prepack_weights: bool = True,
+        fuse_blocks: bool = True,
     ):
         vocab = model.config.vocab_size
         self.model = model
@@ -77,7 +80,7 @@ class LocalEngine:
             model.config.eos_token_ids if eos_token_ids is None else eos_token_ids
         )
         self.pad_token_id = pad_token_id
-        self._prepacker = LinearPrepacker() if prepack_weights else None
+        self._prepacker = LinearPrepacker(fuse_blocks) if prepack_weights else None
         self.max_context = (
             model.config.max_position_embeddings if max_context is None else max_context
         )

@@ -55,8 +55,7 @@ def test_fused_per_linear_and_unpacked_engines_agree(make_model, family):
     (prepack_weights=False); logprobs agree within 1e-5."""
     model = make_model(family=family)
     fused = LocalEngine(model, eos_token_ids=()).generate(PROMPTS, GREEDY, seed=0)
-    per_linear = LocalEngine(model, eos_token_ids=())
-    per_linear._prepacker = LinearPrepacker(fuse_blocks=False)
+    per_linear = LocalEngine(model, eos_token_ids=(), fuse_blocks=False)
     linear = per_linear.generate(PROMPTS, GREEDY, seed=0)
     with LinearPrepacker(fuse_blocks=False).applied(model, batch_hint=1):
         assert set(patched(model)) == {m for m in model.modules() if type(m) is nn.Linear}

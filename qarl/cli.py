@@ -20,7 +20,11 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qarl", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="qarl",
+        description="Reinforcement learning of LLMs with quantized rollouts and a "
+        "rollout-aligned learner (QaRL + TBPO). `qarl COMMAND --help` for each command.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

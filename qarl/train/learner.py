@@ -9,8 +9,10 @@ Two ways to compute logp(response | prompt) for a RolloutBatch:
 - `replay_logprobs` (no grad, exact): the engine's own prefill + decode path with the
   sampled tokens forced instead of drawn (`LocalEngine.score`). On CPU this is what makes
   `old_logp == rollout_logp` bit for bit: same kernels, same shapes, same summation order.
-  A full-sequence forward differs from the decode path in the last bits (attention over a KV
-  cache vs a causal pass, GEMM paths for M=1 vs M=L; measured up to ~1e-6, docs/alignment.md).
+  A full-sequence forward computes the same function with other shapes (attention over a KV
+  cache vs a causal pass, other GEMM paths): ~1e-6 apart in full precision, but activation
+  quantizers amplify that into whole rounding steps (smollm2-135m W8A8: ~0.1 nats mean).
+  The replay must also use the batch shape that was sampled. Figures: docs/alignment.md.
 
 `aligned_logprobs` combines them for the update: the value of the exact path with the
 gradient of the fast one, `logp = exact + (fast - sg(fast))`. Its value is bit-identical to

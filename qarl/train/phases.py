@@ -82,7 +82,7 @@ def update_policy(run, optimizers, batch: RolloutBatch, old_logp: Tensor, advant
     is split into micro-batches does not change the update. logp takes its value from the
     engine's decode path and its gradient from the fast forward (aligned_logprobs): in the
     first epoch that value is old_logp itself (the ratio is exactly 1); later epochs replay
-    the micro-batch with the updated weights.
+    the whole batch once with the updated weights.
     """
     cfg, algo, train = run.config, run.config.algo, run.config.train
     mask = batch.response_mask & rows[:, None]  # [N, L] bool
@@ -103,15 +103,16 @@ def update_policy(run, optimizers, batch: RolloutBatch, old_logp: Tensor, advant
     learner = run.learner
     learner.train()
     for epoch in range(algo.epochs):
+        # logp's value always comes from the engine path, replayed on the WHOLE batch (the
+        # shape it was sampled with: a micro-batch replay is not exact, and on smollm2 W8A8
+        # the activation quantizers amplify that to ~0.1 nats). Epoch 0 is old_logp itself;
+        # later epochs replay once with the updated weights (constant within an epoch).
+        exact = old_logp if epoch == 0 else replay_logprobs(run.scorer, batch, run.sampling())
         for start in range(0, N, mb):
             idx = torch.arange(start, min(N, start + mb))
             sub = batch.select(idx)
             fast, entropy = response_logprobs(learner, sub, cfg.rollout.temperature)
-            # the value always comes from the engine path (exact); after the first step it
-            # must be recomputed: the fast path alone is 1e-4..1e-2 off for quantized
-            # formats (docs/alignment.md), more than TBPO's clip band
-            exact = old_logp[idx] if epoch == 0 else replay_logprobs(run.scorer, sub, run.sampling())
-            logp = aligned_logprobs(fast, exact)
+            logp = aligned_logprobs(fast, exact[idx])
             loss, metrics = LOSSES[algo.loss](
                 logp, old_logp[idx], sub.rollout_logp, advantages[idx], loss_mask[idx],
                 is_weights=correction.weights[idx], **counts, **params,

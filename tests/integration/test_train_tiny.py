@@ -124,11 +124,15 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path):
 
 def test_zero_learning_rate_keeps_codes_and_exact_parity(tmp_path):
     """With lr = 0 every step re-exports the weights, yet no engine code changes and the
-    learner's old_logp still equals the sampler's logprobs exactly at every step."""
-    train("tiny", _overrides(tmp_path, **_SMALL, **{"train.lr": 0.0}))
+    learner's old_logp still equals the sampler's logprobs exactly at every step. With two
+    epochs, the second epoch's logp (replayed after an optimizer step that changed nothing)
+    gives a sequence ratio of exactly 1: its value comes from the exact path, not the fast
+    full-sequence forward (which is ~1e-4 off for int8)."""
+    train("tiny", _overrides(tmp_path, **_SMALL, **{"train.lr": 0.0, "algo.epochs": 2}))
     rows = [r for r in read_metrics(tmp_path / "tiny" / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["sync/changed_code_frac"] for r in rows] == [0.0] * len(rows)
     assert [r["mismatch/abs_diff_max"] for r in rows] == [0.0] * len(rows)
+    assert [(r["loss/seq_ratio_min"], r["loss/seq_ratio_max"]) for r in rows] == [(1.0, 1.0)] * len(rows)
     assert all(r["sync/seconds"] > 0 for r in rows)
 
 

@@ -12,7 +12,7 @@ blocked layout skips that. Measured on the 2-core AVX2 development machine for a
 - a decoder `Block` whose seven projections are all plain fp32 `nn.Linear` runs
   `fused_block_forward`: q/k/v as one GEMM on a concatenated packed weight and gate/up as
   another, q and k normalized (Qwen3) and rotated together, and both residual adds folded
-  into the o_proj / down_proj GEMMs as oneDNN post-ops. 7 GEMMs per block become 4 and ~25
+  into the o_proj / down_proj GEMMs as oneDNN post-ops. 7 GEMMs per block become 4 and ~7
   small ops per block per step go away; on a loaded machine each OpenMP region saved also
   saves a wait for a descheduled thread. (Folding silu and the up * silu product into the
   GEMMs as post-ops too was measured 2-10% slower per MLP than one gate/up GEMM followed by

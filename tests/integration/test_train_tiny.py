@@ -111,10 +111,11 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path):
     weights of an uninterrupted 3-step run: data, sampling seeds and optimizer state are all
     restored (the data of a step is a pure function of seed and step)."""
     whole = tmp_path / "whole"
-    train("tiny", _overrides(whole, **_SMALL, **{"train.checkpoint_every": 1}))
+    every_step = {**_SMALL, "train.checkpoint_every": 1}
+    train("tiny", _overrides(whole, **every_step))
     parts = tmp_path / "parts"
-    train("tiny", _overrides(parts, **_SMALL, **{"train.steps": 2, "train.checkpoint_every": 1}))
-    train("tiny", _overrides(parts, **_SMALL, **{"train.checkpoint_every": 1}))
+    train("tiny", _overrides(parts, **{**every_step, "train.steps": 2}))
+    train("tiny", _overrides(parts, **every_step))
     a, b = _final_weights(whole / "tiny"), _final_weights(parts / "tiny")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -128,7 +129,7 @@ def test_zero_learning_rate_keeps_codes_and_exact_parity(tmp_path):
     epochs, the second epoch's logp (replayed after an optimizer step that changed nothing)
     gives a sequence ratio of exactly 1: its value comes from the exact path, not the fast
     full-sequence forward (which is ~1e-4 off for int8)."""
-    train("tiny", _overrides(tmp_path, **_SMALL, **{"train.lr": 0.0, "algo.epochs": 2}))
+    train("tiny", _overrides(tmp_path, **{**_SMALL, "train.lr": 0.0, "algo.epochs": 2}))
     rows = [r for r in read_metrics(tmp_path / "tiny" / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["sync/changed_code_frac"] for r in rows] == [0.0] * len(rows)
     assert [r["mismatch/abs_diff_max"] for r in rows] == [0.0] * len(rows)

@@ -75,6 +75,12 @@ def save(run_dir: Path, step: int, model: nn.Module, optimizers, state: dict, ke
     return final
 
 
+def clear(run_dir: Path) -> None:
+    """Remove every checkpoint of a run folder (a run that starts over)."""
+    for old in Path(run_dir).glob(f"{PREFIX}*"):
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def latest(run_dir: Path) -> Path | None:
     found = sorted(Path(run_dir).glob(f"{PREFIX}*")) if Path(run_dir).exists() else []
     return found[-1] if found else None

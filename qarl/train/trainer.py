@@ -49,6 +49,8 @@ def _train(run) -> dict[str, Any]:
     resumed = checkpoint.latest(run.run_dir) if config.run.resume else None
     if resumed is not None:
         start_step = checkpoint.load(resumed, run.learner, optimizers)["step"]
+    else:
+        checkpoint.clear(run.run_dir)  # starting over: an old run's checkpoints must not linger
     sync = WeightSync(run.learner, run.engine)
     sync.push()  # the engine decodes with the learner's current (possibly resumed) codes
     log = MetricsLogger(run.run_dir, config.train.steps, progress=config.log.progress,

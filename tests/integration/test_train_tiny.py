@@ -121,6 +121,10 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     resumed_rows = [r for r in read_metrics(parts / "tiny" / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in resumed_rows] == [1, 2, 3]
+    # a fresh start in the same folder (resume off) starts the metrics over too
+    train("tiny", _overrides(parts, **{**every_step, "run.resume": False, "train.steps": 1}))
+    fresh_rows = [r for r in read_metrics(parts / "tiny" / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in fresh_rows] == [1]
 
 
 def test_zero_learning_rate_keeps_codes_and_exact_parity(tmp_path):

@@ -12,7 +12,7 @@ import sys
 # subcommand -> (module, one-line help). The module owns its arguments and behaviour.
 COMMANDS = {
     "train": ("qarl.train.cli", "run RL training from a TOML recipe (default: recipes/default.toml)"),
-    "sft": ("qarl.train.sft_cli", "warm-start a model by supervised fine-tuning on a built-in task"),
+    "sft": ("qarl.train.sft", "warm-start a model by supervised fine-tuning on a built-in task"),
     "eval": ("qarl.train.eval_cli", "evaluate a model or checkpoint on a task's held-out set"),
     "parity": ("qarl.train.parity", "measure learner-vs-engine logprob mismatch per scheme and alignment"),
     "models": ("qarl.model.zoo", "list and prepare the embedded models"),

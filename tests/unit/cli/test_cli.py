@@ -1,0 +1,33 @@
+"""The `qarl` command line: every subcommand resolves to a module with a working --help."""
+
+from __future__ import annotations
+
+import pytest
+
+from qarl.cli import COMMANDS, main
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_subcommand_has_help(command, capsys):
+    """`qarl COMMAND --help` imports the command's module and prints its usage (exit 0)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert f"qarl {command}" in capsys.readouterr().out
+
+
+def test_unknown_arguments_are_refused_where_no_overrides_are_taken(capsys):
+    """Only recipe-driven commands accept --section.key=value; `qarl models` refuses them."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["models", "--train.steps=3"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --train.steps=3" in capsys.readouterr().err
+
+
+def test_bad_recipe_fails_before_any_work(capsys):
+    """`qarl train` with bad overrides exits 2 listing every problem, before loading a model."""
+    code = main(["train", "--rollout.batch_size=30", "--algo.los=tbpo"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "algo.los: unknown key 'los'; did you mean 'loss'?" in err
+    assert "rollout.batch_size: 30 is not a multiple of rollout.group_size (8)" in err

@@ -74,6 +74,21 @@ def compute_advantages(rewards: list[float | None], batch: RolloutBatch, algo, g
     return advantages, rows, metrics
 
 
+def loss_setup(cfg, batch: RolloutBatch, old_logp: Tensor, advantages: Tensor, rows: Tensor):
+    """The step's rollout correction (computed once, on the whole batch, from old_logp) and
+    the loss parameters, including the whole batch's token / sequence counts."""
+    algo = cfg.algo
+    mask = batch.response_mask & rows[:, None]  # [N, L] bool
+    specs = {algo.correction: algo.correction_params} if algo.correction else {}
+    correction = apply_corrections(specs, old_logp, batch.rollout_logp, mask, advantages, old_logp)
+    # norm_len: the fixed length of seq-mean-token-sum-norm (Dr.GRPO), the response budget
+    params = {"norm_len": cfg.rollout.max_new_tokens, **algo.loss_params}
+    if algo.aggregation is not None:
+        params["aggregation"] = algo.aggregation
+    params.update(global_counts(algo.loss, old_logp, batch.rollout_logp, correction.mask, **params))
+    return correction, params
+
+
 def update_policy(run, optimizers, batch: RolloutBatch, old_logp: Tensor, advantages: Tensor,
                   rows: Tensor, step: int) -> dict[str, float]:
     """K epochs; each accumulates every micro-batch, then takes one optimizer step.
@@ -85,15 +100,8 @@ def update_policy(run, optimizers, batch: RolloutBatch, old_logp: Tensor, advant
     the whole batch once with the updated weights.
     """
     cfg, algo, train = run.config, run.config.algo, run.config.train
-    mask = batch.response_mask & rows[:, None]  # [N, L] bool
-    specs = {algo.correction: algo.correction_params} if algo.correction else {}
-    correction = apply_corrections(specs, old_logp, batch.rollout_logp, mask, advantages, old_logp)
+    correction, params = loss_setup(cfg, batch, old_logp, advantages, rows)
     loss_mask = correction.mask  # [N, L] float
-    # norm_len: the fixed length of seq-mean-token-sum-norm (Dr.GRPO), the response budget
-    params = {"norm_len": cfg.rollout.max_new_tokens, **algo.loss_params}
-    if algo.aggregation is not None:
-        params["aggregation"] = algo.aggregation
-    counts = global_counts(algo.loss, old_logp, batch.rollout_logp, loss_mask, **params)
     lr = learning_rate(step, train.steps, train.lr, train.min_lr, train.warmup_steps, train.lr_schedule)
     set_learning_rate(optimizers, lr)
     N, mb = batch.num_sequences, train.micro_batch_size
@@ -115,7 +123,7 @@ def update_policy(run, optimizers, batch: RolloutBatch, old_logp: Tensor, advant
             logp = aligned_logprobs(fast, exact[idx])
             loss, metrics = LOSSES[algo.loss](
                 logp, old_logp[idx], sub.rollout_logp, advantages[idx], loss_mask[idx],
-                is_weights=correction.weights[idx], **counts, **params,
+                is_weights=correction.weights[idx], **params,
             )
             loss.backward()
             share = len(idx) / N / algo.epochs

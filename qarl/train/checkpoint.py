@@ -91,7 +91,8 @@ def load_weights(folder: Path, model: nn.Module) -> None:
     folder = Path(folder)
     weights = load_file(folder / "model.safetensors")
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    missing = [n for n in missing if n in dict(model.named_parameters())]
+    parameters = dict(model.named_parameters())
+    missing = [n for n in missing if n in parameters]
     tied = {n for n in missing if n == "lm_head.weight"}
     if set(missing) - tied or unexpected:
         raise ValueError(

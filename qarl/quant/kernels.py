@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from qarl import native
+
 BI_TILE = 16  # rows per GEMM call in batch_invariant_linear
 INT8_SGEMM_CHUNK = 1024  # 1024 * 127 * 127 < 2^24: fp32 partial sums stay exact integers
 EXACT_ROW_CHUNK = 256  # rows per fp64 call in the FP8 emulation (bounds its memory)
@@ -50,6 +52,16 @@ def int8_chunks(wq: Tensor, packed: bool) -> list[Tensor]:
     if packed:
         chunks = [torch.ops.mkldnn._reorder_linear_weight(c, 16) for c in chunks]
     return chunks
+
+
+def native_ok(device: torch.device) -> bool:
+    """qarl.native's CPU kernels run on this device (CPU with AVX2/FMA and a C compiler)."""
+    return device.type == "cpu" and native.available()
+
+
+def native_f32_ok(device: torch.device, qw) -> bool:
+    """The native fp32 GEMM applies: a CPU that runs it and an fp32 (or quantized) weight."""
+    return native_ok(device) and (qw.scheme != "none" or qw.codes.dtype == torch.float32)
 
 
 def onednn_available(device: torch.device) -> bool:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
+from qarl import native as nat
 from qarl.quant import kernels as K
 from qarl.quant import numerics as nm
 from qarl.quant.qweight import QWeight
@@ -24,6 +25,8 @@ from qarl.quant.qweight import QWeight
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEVICES = ("cpu", "cuda")
 INT4_GROUP_SIZES = (32, 64, 128)
+INT8_GEMMS = ("auto", "int_mm", "native", "onednn", "sgemm")
+INT4_GEMMS = ("auto", "int4pack", "native")
 FP8_BLOCK = 128
 
 
@@ -66,6 +69,20 @@ class Scheme:
             qw.prepared[key] = build()
         return qw.prepared[key]
 
+    def float_gemm(self, x: Tensor, qw: QWeight, weight) -> Tensor:
+        """x [M, K] . weight()^T with a batch-invariant GEMM: the native fp32 kernel on a CPU
+        that runs it (weight packed once per QWeight), else `batch_invariant_linear`."""
+        if K.native_f32_ok(x.device, qw):
+            packed = self.prepared(qw, x.device, "native-f32", lambda: nat.pack_f32(weight()))
+            return nat.linear_f32(x.float(), packed)
+        w = self.prepared(qw, x.device, "dequantized", weight)
+        return K.batch_invariant_linear(x, w)
+
+    def float_gemm_path(self, device: torch.device, qw: QWeight) -> str:
+        if K.native_f32_ok(device, qw):
+            return "native fp32 GEMM (qarl.native, one fma chain per output)"
+        return f"batch_invariant_linear ({K.BI_TILE}-row tiles)"
+
     def check_weight(self, w: Tensor) -> None:
         if w.dim() != 2:
             raise ValueError(f"{self.name}: expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
@@ -91,32 +108,33 @@ class NoneScheme(Scheme):
         return x.float()
 
     def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
-        return K.batch_invariant_linear(x, qw.codes)
+        return self.float_gemm(x, qw, lambda: qw.codes)
 
     def kernel_path(self, device: torch.device, qw: QWeight) -> str:
-        return f"batch_invariant_linear ({K.BI_TILE}-row tiles, weight dtype): no quantization"
+        return f"{self.float_gemm_path(device, qw)} in the weight's dtype: no quantization"
 
 
 @dataclass(frozen=True)
 class Int8Scheme(Scheme):
     """W8A8 int8: symmetric per-channel weights, dynamic symmetric per-token activations.
-    gemm: "auto" (CPU: onednn if available else sgemm; CUDA: int_mm), "int_mm", "onednn" or
-    "sgemm"; all give identical int32 accumulators (see kernels.exact_int8_gemm)."""
+    gemm: "auto" (CPU: native if it runs here, else onednn, else sgemm; CUDA: int_mm),
+    "native", "int_mm", "onednn" or "sgemm"; all give identical int32 accumulators and the
+    same scale products, hence identical outputs (see kernels.exact_int8_gemm)."""
 
     gemm: str = "auto"
     name = "w8a8-int8"
 
     def __post_init__(self):
-        if self.gemm not in ("auto", "int_mm", "onednn", "sgemm"):
-            raise ValueError(
-                f"w8a8-int8 gemm={self.gemm!r}; valid: ['auto', 'int_mm', 'onednn', 'sgemm']"
-            )
+        if self.gemm not in INT8_GEMMS:
+            raise ValueError(f"w8a8-int8 gemm={self.gemm!r}; valid: {sorted(INT8_GEMMS)}")
 
     def method(self, device: torch.device) -> str:
         if self.gemm != "auto":
             return self.gemm
         if device.type == "cuda":
             return "int_mm"
+        if K.native_ok(device):
+            return "native"
         return "onednn" if K.onednn_available(device) else "sgemm"
 
     def quantize(self, w: Tensor) -> QWeight:
@@ -134,6 +152,9 @@ class Int8Scheme(Scheme):
     def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
         method = self.method(x.device)
         xq, xs = nm.int8_rows(x)  # [M, K] int8, [M]
+        if method == "native":
+            packed = self.prepared(qw, x.device, "native-s8", lambda: nat.pack_s8(qw.codes, qw.scales))
+            return nat.linear_s8(xq, xs, packed)  # (acc * s_x) * s_w, like the line below
         chunks = None
         if method in ("sgemm", "onednn"):
             chunks = self.prepared(qw, x.device, method,
@@ -144,6 +165,9 @@ class Int8Scheme(Scheme):
 
     def kernel_path(self, device: torch.device, qw: QWeight) -> str:
         method = self.method(device)
+        if method == "native":
+            return ("native int8 GEMM (qarl.native: AVX2 vpmaddubsw with the activation sign on "
+                    "the weight, exact int32 sums = torch._int_mm bit for bit)")
         if method in ("sgemm", "onednn"):
             return (f"exact int8 GEMM as fp32 {method} on integer codes in K-chunks of 1024 "
                     "(= torch._int_mm bit for bit; _int_mm is slow on CPUs without VNNI)")
@@ -222,10 +246,13 @@ class Fp8BlockScheme(Scheme):
 @dataclass(frozen=True)
 class Int4Scheme(Scheme):
     """W4A16 int4: weights in groups of `group_size` along K, symmetric or with bf16 zeros;
-    activations rounded to bf16."""
+    activations rounded to bf16. gemm: "auto" (CPU: native if it runs here, else int4pack),
+    "native" (fp32 output, exactly the fp32 chain on the dequantized weight) or "int4pack"
+    (torch._weight_int4pack_mm_for_cpu, bf16 output)."""
 
     group_size: int = 64
     symmetric: bool = True
+    gemm: str = "auto"
     name = "w4a16-int4"
 
     def __post_init__(self):
@@ -233,6 +260,8 @@ class Int4Scheme(Scheme):
             raise ValueError(
                 f"{self.name} group_size={self.group_size}; valid: {list(INT4_GROUP_SIZES)}"
             )
+        if self.gemm not in INT4_GEMMS:
+            raise ValueError(f"{self.name} gemm={self.gemm!r}; valid: {sorted(INT4_GEMMS)}")
 
     def matches(self, qw: QWeight) -> bool:
         return (qw.scheme, qw.group_size, qw.symmetric) == (self.name, self.group_size, self.symmetric)
@@ -249,22 +278,41 @@ class Int4Scheme(Scheme):
     def act_qdq(self, x: Tensor) -> Tensor:
         return x.bfloat16().float()
 
+    def uses_native(self, device: torch.device) -> bool:
+        if self.gemm == "native" and not K.native_ok(device):
+            raise RuntimeError(
+                f"{self.name} gemm='native' cannot run on {device.type}: "
+                f"{K.native.why_unavailable() if device.type == 'cpu' else 'CPU only'}; "
+                "use gemm='auto'"
+            )
+        return self.gemm == "native" or (self.gemm == "auto" and K.native_ok(device))
+
     def uses_kernel(self, device: torch.device, qw: QWeight) -> bool:
         return device.type == "cpu" and qw.shape[0] % 16 == 0
 
     def _pack(self, qw: QWeight) -> tuple[Tensor, Tensor]:
         return K.int4pack_prepare(nm.unpack_nibbles(qw.codes), qw.scales, qw.zeros)
 
+    def _native(self, qw: QWeight, device) -> nat.PackedU4:
+        return self.prepared(qw, device, "native-u4", lambda: nat.pack_u4(
+            nm.unpack_nibbles(qw.codes), qw.scales, qw.zeros, qw.group_size))
+
     def _deq(self, qw: QWeight, device) -> Tensor:
         return self.prepared(qw, device, "dequantized", lambda: self.dequantize(qw))
 
     def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
+        if self.uses_native(x.device):
+            # = the fp32 chain on act_qdq(x) and the dequantized weight, exactly
+            return nat.linear_u4(self.act_qdq(x), self._native(qw, x.device))
         if self.uses_kernel(x.device, qw):
             packed, sz = self.prepared(qw, x.device, "int4pack", lambda: self._pack(qw))
             return K.int4pack_mm(x.bfloat16(), packed, qw.group_size, sz)
         return K.batch_invariant_linear(self.act_qdq(x), self._deq(qw, x.device))
 
     def kernel_path(self, device: torch.device, qw: QWeight) -> str:
+        if self.uses_native(device):
+            return ("native int4 GEMM (qarl.native: codes dequantized in registers to the exact "
+                    "fp32 weight, fp32 fma chain), bf16-rounded activations")
         if self.uses_kernel(device, qw):
             return "torch._weight_int4pack_mm_for_cpu, bf16 activations"
         why = "N % 16 != 0" if device.type == "cpu" else "no int4 kernel wired for CUDA"
@@ -283,7 +331,9 @@ class W4A8Scheme(Int4Scheme):
 
     def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
         xq, xs = nm.int8_rows(x)  # [M, K] int8, [M]
-        if self.uses_kernel(x.device, qw):
+        if self.uses_native(x.device):
+            y = nat.linear_u4(xq.float(), self._native(qw, x.device))  # codes exact in fp32
+        elif self.uses_kernel(x.device, qw):
             packed, sz = self.prepared(qw, x.device, "int4pack", lambda: self._pack(qw))
             # int8 codes are exact in bf16 (|q| <= 127), so the int4 kernel sees them unchanged
             y = K.int4pack_mm(xq.bfloat16(), packed, qw.group_size, sz)
@@ -293,6 +343,9 @@ class W4A8Scheme(Int4Scheme):
         return y.float() * xs[:, None]
 
     def kernel_path(self, device: torch.device, qw: QWeight) -> str:
+        if self.uses_native(device):
+            return ("native int4 GEMM (qarl.native) on the int8 activation codes, per-token "
+                    "scale after")
         if self.uses_kernel(device, qw):
             return ("torch._weight_int4pack_mm_for_cpu on int8 activation codes (exact in "
                     "bf16), per-token scale after (group scales cannot go through _int_mm)")
@@ -317,11 +370,11 @@ class Nvfp4Scheme(Scheme):
         return x.bfloat16().float()
 
     def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
-        w = self.prepared(qw, x.device, "dequantized", lambda: self.dequantize(qw))
-        return K.batch_invariant_linear(self.act_qdq(x), w)
+        return self.float_gemm(self.act_qdq(x), qw, lambda: self.dequantize(qw))
 
     def kernel_path(self, device: torch.device, qw: QWeight) -> str:
-        return "emulation: batch_invariant_linear on the dequantized fp32 weight (no FP4 kernel here)"
+        return (f"emulation: {self.float_gemm_path(device, qw)} on the dequantized fp32 weight "
+                "(no FP4 kernel here)")
 
 
 class _Registry(dict):

@@ -1,18 +1,19 @@
-"""CPU decode speed: run fp32 decoder blocks on oneDNN-prepacked, fused weights.
+"""CPU decode speed: run fp32 decoder blocks on prepacked, fused weights.
 
 Decoding multiplies a few rows (the batch) by every weight matrix once per step, so the step
 time is the GEMM time plus a fixed cost per op. `F.linear` hands the weight to MKL in its
-stored layout, which re-lays it out on every call; a weight reordered once into oneDNN's
-blocked layout skips that. Measured on the 2-core AVX2 development machine for a
-[16, 1024] x [1024, 3072] product: 1.67 ms with `F.linear`, 1.09 ms prepacked (M=1: 0.41 vs
-0.21 ms).
+stored layout, which re-lays it out on every call; a weight packed once skips that. Packing
+goes to `qarl.native` (24-column panels, an AVX2 kernel made for few-row products) where it
+runs, else to oneDNN's blocked layout. Measured on the 2-core AVX2 development machine for a
+[16, 1024] x [1024, 3072] product: 1.67 ms with `F.linear`, 1.1 ms oneDNN-packed, 0.85 ms
+native (M=1: 0.41, 0.21, 0.19 ms).
 
 `LinearPrepacker.applied(model)` swaps forwards for the block and restores them on exit:
 
 - a decoder `Block` whose seven projections are all plain fp32 `nn.Linear` runs
   `fused_block_forward`: q/k/v as one GEMM on a concatenated packed weight and gate/up as
   another, q and k normalized (Qwen3) and rotated together, and both residual adds folded
-  into the o_proj / down_proj GEMMs as oneDNN post-ops. 7 GEMMs per block become 4 and ~7
+  into the o_proj / down_proj GEMMs (native epilogue, or oneDNN post-ops). 7 GEMMs per block become 4 and ~7
   small ops per block per step go away; on a loaded machine each OpenMP region saved also
   saves a wait for a descheduled thread. (Folding silu and the up * silu product into the
   GEMMs as post-ops too was measured 2-10% slower per MLP than one gate/up GEMM followed by
@@ -27,7 +28,8 @@ stale. Only plain `nn.Linear` layers with fp32 CPU weights are touched: quantize
 their own scheme kernels, bf16 layers (oneDNN's bf16 path needs AVX512-BF16 or AVX-NE-CONVERT)
 and accelerator tensors keep their own forward. Results differ from the unfused `F.linear`
 path by rounding only (~1e-6 relative in fp32); two models with identical weights compute
-identically on this path, which is what `LocalEngine.score` relies on.
+identically on this path, which is what `LocalEngine.score` relies on (the native kernel is
+also batch-invariant: a row's bits never depend on the other rows).
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qarl import native
 from qarl.model.decoder import MLP, Attention, Block, RMSNorm, apply_rope
 
 
 def prepack_available(device: torch.device) -> bool:
-    return device.type == "cpu" and torch.backends.mkldnn.is_available()
+    return device.type == "cpu" and (native.available() or torch.backends.mkldnn.is_available())
 
 
 def _packable(module: nn.Module) -> bool:
@@ -56,22 +59,29 @@ def _packable(module: nn.Module) -> bool:
     )
 
 
-def _linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-    # x: [..., in] float32 -> x W^T + b: [..., out]; packed: oneDNN-blocked [out, in]
+def _linear(x: Tensor, packed, bias: Tensor | None) -> Tensor:
+    # x: [..., in] float32 -> x W^T + b: [..., out]; packed: native panels or oneDNN-blocked
+    if isinstance(packed, native.PackedF32):
+        return native.linear_f32(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _linear_then(x: Tensor, other: Tensor, packed: Tensor, bias: Tensor | None, op: str) -> Tensor:
-    # (x W^T + b) op other, op a oneDNN binary post-op ("add"); other: [..., out] like it
-    return torch.ops.mkldnn._linear_pointwise.binary(x, other, packed, bias, op)
+def _linear_add(x: Tensor, residual: Tensor, packed, bias: Tensor | None) -> Tensor:
+    # x W^T + b + residual, the add fused into the GEMM; residual: [..., out] like it
+    if isinstance(packed, native.PackedF32):
+        return native.linear_f32(x, packed, bias, residual)
+    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
 
 
 def _packed_linear(packed: Tensor, bias: Tensor | None, x: Tensor) -> Tensor:
     return _linear(x, packed, bias)
 
 
-def _pack(weight: Tensor, batch_hint: int) -> Tensor:
-    # [out, in] -> the same matrix in oneDNN's blocked layout for about batch_hint rows
+def _pack(weight: Tensor, batch_hint: int):
+    # [out, in] -> the same matrix in qarl.native's panels, else oneDNN's blocked layout for
+    # about batch_hint rows
+    if native.available():
+        return native.pack_f32(weight.detach())
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
 
 
@@ -87,12 +97,13 @@ def _version_key(tensors: list[Tensor]) -> tuple | None:
 class BlockPacks:
     """Packed weights of one decoder block (hidden d, H query / Hkv key-value heads of D)."""
 
-    qkv: Tensor  # oneDNN-blocked [(H + 2 Hkv) D, d]: q_proj, k_proj, v_proj rows stacked
+    # each weight packed [out, in]: qarl.native.PackedF32 panels, or oneDNN-blocked without it
+    qkv: object  # [(H + 2 Hkv) D, d]: q_proj, k_proj, v_proj rows stacked
     qkv_bias: Tensor | None  # [(H + 2 Hkv) D] or None (Qwen2 only has q/k/v biases)
-    o: Tensor  # oneDNN-blocked [d, H D]
-    gate_up: Tensor  # oneDNN-blocked [2 ffn, d]: gate_proj, up_proj rows stacked
+    o: object  # [d, H D]
+    gate_up: object  # [2 ffn, d]: gate_proj, up_proj rows stacked
     gate_up_bias: Tensor | None  # [2 ffn] or None
-    down: Tensor  # oneDNN-blocked [d, ffn]
+    down: object  # [d, ffn]
 
 
 def _block_linears(block: Block) -> list[nn.Module]:
@@ -176,17 +187,17 @@ def fused_block_forward(
         q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=H != Hkv,
     )
     # x + o_proj(attention), the residual add fused into the GEMM
-    x = _linear_then(out.transpose(1, 2).reshape(B, T, H * D), x, packs.o, attn.o_proj.bias, "add")
+    x = _linear_add(out.transpose(1, 2).reshape(B, T, H * D), x, packs.o, attn.o_proj.bias)
     h = block.post_attention_layernorm(x)
     gate_up = _linear(h, packs.gate_up, packs.gate_up_bias)  # [B, T, 2 ffn]
     ffn = gate_up.shape[-1] // 2
     # SwiGLU: x + down(silu(gate(h)) * up(h)), the residual add fused into the GEMM
     hidden = F.silu(gate_up[..., :ffn]) * gate_up[..., ffn:]  # [B, T, ffn]
-    return _linear_then(hidden, x, packs.down, mlp.down_proj.bias, "add")
+    return _linear_add(hidden, x, packs.down, mlp.down_proj.bias)
 
 
 class LinearPrepacker:
-    """Keeps oneDNN-packed (and, per block, fused) copies of a model's plain fp32 linear
+    """Keeps packed (and, per block, fused) copies of a model's plain fp32 linear
     weights, reused across calls while their source parameters are unchanged (same storage,
     in-place version and shape), rebuilt after any in-place update or replacement. Costs one
     extra copy of those weights in memory; packing the 109M config takes ~0.3 s on the

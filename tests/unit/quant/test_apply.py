@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qarl import native
+
 from qarl.model import CausalLM, ModelConfig
 from qarl.quant import (
     SCHEMES, QuantLinear, QWeight, describe, export_state, load_state, quant_layers,
@@ -101,12 +103,15 @@ def test_quantize_model_errors():
         quantize_model(_model(), "w8a8-int8", include=["decoder.*"])
 
 def test_describe_names_each_path():
-    """describe() lists every quantized layer with scheme, mode and kernel path."""
-    model = quantize_model(_model(), "w4a16-int4", mode="kernel", group_size=32)
+    """describe() lists every quantized layer with scheme, mode and the kernel path chosen."""
+    model = quantize_model(_model(), "w4a16-int4", mode="kernel", group_size=32, gemm="int4pack")
     info = describe(model)
     assert len(info) == 14
     assert "int4pack" in info["model.layers.0.mlp.down_proj"]
     assert info["model.layers.0.mlp.down_proj"].startswith("w4a16-int4/kernel")
+    auto = describe(quantize_model(_model(), "w4a16-int4", mode="kernel", group_size=32))
+    expected = "native int4" if native.available() else "int4pack"
+    assert expected in auto["model.layers.0.mlp.down_proj"]
 
 def test_training_step_through_quantized_model():
     """A kernel-mode model trains: loss backward reaches every master weight, and one

@@ -125,5 +125,5 @@ def test_unknown_scheme_and_option():
         SCHEMES["int3"]
     with pytest.raises(TypeError, match="group_size"):
         make_scheme("w4a16-int4", groupsize=64)
-    assert scheme_options("w4a16-int4") == {"group_size": 64, "symmetric": True}
+    assert scheme_options("w4a16-int4") == {"group_size": 64, "symmetric": True, "gemm": "auto"}
     assert scheme_options("w8a8-fp8") == {}

@@ -1,0 +1,117 @@
+"""Compile kernels.c once per machine and load it with ctypes.
+
+The shared library is built on first use with the system C compiler (no torch headers, so it
+takes about a second) into `$QARL_HOME/kernels/qarl_cpu-<hash>.so`, the hash covering the
+source, the flags and the compiler, and is loaded after torch so that its OpenMP calls use the
+libgomp torch already loaded (one thread pool, not two spinning against each other). Nothing
+is compiled at install time, so `pip install` needs no compiler; without one, or on a CPU
+without AVX2/FMA, `load()` returns None and says why in `why_unavailable()`, and qarl keeps
+its PyTorch kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch  # noqa: F401  (loaded first: its libgomp is the one kernels.c links against)
+
+SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
+DISABLE_ENV = "QARL_NATIVE"  # QARL_NATIVE=0 turns the native kernels off
+
+_state: dict = {}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def _cache_dir() -> Path:
+    from qarl.model.zoo import qarl_home
+
+    return qarl_home() / "kernels"
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256(
+        SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"qarl_cpu-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # compile beside the target, then rename: concurrent builders never see half a file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed to build {SOURCE.name}:\n{done.stderr[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    signatures = {
+        "qarl_pack_f32": [p, i64, i64, i64, p, i32],
+        "qarl_linear_f32": [p, i64, i64, i64, p, i64, p, p, i64, p, i64, i32],
+        "qarl_pack_s8": [p, i64, i64, i64, p, i32],
+        "qarl_linear_s8": [p, i64, i64, i64, p, p, p, i64, p, i64, i32],
+        "qarl_pack_u4": [p, i64, i64, i64, p, i32],
+        "qarl_linear_u4": [p, i64, i64, i64, p, p, p, i64, i64, p, i64, i32],
+    }
+    for name, args in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    return lib
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built if needed; None when this machine cannot run it."""
+    if "lib" in _state:
+        return _state["lib"]
+    lib, why = None, None
+    cc = _compiler()
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        why = f"turned off by {DISABLE_ENV}=0"
+    elif platform.machine() not in ("x86_64", "AMD64"):
+        why = f"the kernels are x86-64 AVX2 code; this machine is {platform.machine()}"
+    elif not {"avx2", "fma"} <= _cpu_flags():
+        why = "this CPU lacks AVX2 or FMA"
+    elif cc is None:
+        why = "no C compiler found (install gcc, or set CC)"
+    else:
+        try:
+            lib = _declare(ctypes.CDLL(str(_build(cc))))
+        except (OSError, RuntimeError) as err:
+            why = f"building the kernels failed: {err}"
+    _state["lib"], _state["why"] = lib, why
+    return lib
+
+
+def why_unavailable() -> str | None:
+    load()
+    return _state["why"]

@@ -1,0 +1,374 @@
+// qarl's CPU kernels for x86-64 with AVX2 + FMA (see README.md beside this file).
+//
+// Three GEMMs for the few-row products of decoding: y[M, N] = x[M, K] . w[N, K]^T with w
+// pre-packed once into panels of NR = 24 output columns stored k-major, so a panel streams
+// from memory in order and is reused from cache by every 4-row tile of x.
+//
+// Every output element is ONE fixed-order chain over k (fp32: an fma chain from k = 0 up;
+// int8: an exact int32 sum), whatever M is and whichever tile the row falls in. A row's bits
+// therefore never depend on the other rows or on the row count: the kernels are
+// batch-invariant by construction, which is what lets the learner replay the engine.
+//
+// Built by qarl/native/build.py with -O3 -mavx2 -mfma -fopenmp -ffp-contract=off and loaded
+// after torch, so the OpenMP runtime (and its threads) is torch's own libgomp.
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NR 24  // output columns per panel: 3 vectors of 8
+#define MR 4   // rows per register tile: 4 x 3 accumulators + 3 weights + 1 broadcast = 16 ymm
+
+#define INLINE static inline __attribute__((always_inline))
+
+static int64_t panels(int64_t n) { return (n + NR - 1) / NR; }
+
+// Store one row of a tile, y = acc (+ bias[n]) (+ res[n]) for nc valid columns: the adds run
+// in that order, after the chain, so they never change the chain's bits. The accumulators come
+// by value: passing their array would make the compiler keep them in memory.
+INLINE void store_row(__m256 v0, __m256 v1, __m256 v2, int nc, const float* bias,
+                      const float* res, float* y) {
+    float tmp[NR];
+    _mm256_storeu_ps(tmp, v0);
+    _mm256_storeu_ps(tmp + 8, v1);
+    _mm256_storeu_ps(tmp + 16, v2);
+    for (int j = 0; j < nc; j++) {
+        float v = tmp[j];
+        if (bias) v = v + bias[j];
+        if (res) v = v + res[j];
+        y[j] = v;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// fp32
+
+// w [N, K] (row stride ldw) -> panels [P][K][NR], columns past N zero.
+void qarl_pack_f32(const float* w, int64_t N, int64_t K, int64_t ldw, float* out, int nthreads) {
+    int64_t P = panels(N);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t p = 0; p < P; p++) {
+        float* dst = out + p * K * NR;
+        for (int j = 0; j < NR; j++) {
+            int64_t n = p * NR + j;
+            if (n < N) {
+                for (int64_t k = 0; k < K; k++) dst[k * NR + j] = w[n * ldw + k];
+            } else {
+                for (int64_t k = 0; k < K; k++) dst[k * NR + j] = 0.f;
+            }
+        }
+    }
+}
+
+// y[r, 8j:8j+8] = sum_k x[r, k] * panel[k, 8j:8j+8], one fma per k in increasing k, then
+// the epilogue. The accumulators are locals of this function so they live in registers.
+INLINE void tile_f32(int mr, int64_t K, const float* x, int64_t ldx, const float* w, int nc,
+                     const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy) {
+    __m256 acc[MR][3];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 3
+        for (int j = 0; j < 3; j++) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const float* wk = w + k * NR;
+        __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8), w2 = _mm256_loadu_ps(wk + 16);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; r++) {
+            if (r < mr) {
+                __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+                acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
+                acc[r][2] = _mm256_fmadd_ps(a, w2, acc[r][2]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; r++)
+        if (r < mr)
+            store_row(acc[r][0], acc[r][1], acc[r][2], nc, bias, res ? res + r * ldr : 0, y + r * ldy);
+}
+
+// All row tiles of x against one packed panel; the switch hands each tile a constant mr
+// (the chain is the same for every mr: it only lets the compiler drop dead rows).
+INLINE void panel_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* w,
+                      int nc, const float* bias, const float* res, int64_t ldr, float* y,
+                      int64_t ldy) {
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        int mr = M - m0 < MR ? (int)(M - m0) : MR;
+        const float* xm = x + m0 * ldx;
+        const float* rm = res ? res + m0 * ldr : 0;
+        float* ym = y + m0 * ldy;
+        switch (mr) {
+            case 4: tile_f32(4, K, xm, ldx, w, nc, bias, rm, ldr, ym, ldy); break;
+            case 3: tile_f32(3, K, xm, ldx, w, nc, bias, rm, ldr, ym, ldy); break;
+            case 2: tile_f32(2, K, xm, ldx, w, nc, bias, rm, ldr, ym, ldy); break;
+            default: tile_f32(1, K, xm, ldx, w, nc, bias, rm, ldr, ym, ldy); break;
+        }
+    }
+}
+
+// y[M, N] = x[M, K] . W^T (+ bias[N]) (+ res[M, N]); wp from qarl_pack_f32.
+void qarl_linear_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* wp,
+                     int64_t N, const float* bias, const float* res, int64_t ldr, float* y,
+                     int64_t ldy, int nthreads) {
+    int64_t P = panels(N);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t p = 0; p < P; p++) {
+        int64_t n0 = p * NR;
+        int nc = N - n0 < NR ? (int)(N - n0) : NR;
+        panel_f32(x, M, K, ldx, wp + p * K * NR, nc, bias ? bias + n0 : 0, res ? res + n0 : 0,
+                  ldr, y + n0, ldy);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// int8 x int8 -> int32 (W8A8)
+//
+// AVX2 has no VNNI dot product; vpmaddubsw multiplies u8 x s8 and sums pairs into int16,
+// which saturates for general int8 x int8. With the sign moved from the activation onto the
+// weight (vpsignb) the unsigned operand is |a| <= 128 and the weight stays in [-127, 127], so a
+// pair sums to at most 2 * 128 * 127 = 32512 < 2^15: exact. vpmaddwd by ones then widens each
+// 4-product sum to int32 (exact for K < 2^31 / 127^2 = 133,000). On the development machine's
+// Zen 3 this runs one multiply instruction per cycle, 16 MACs per cycle per core: the fp32 FMA
+// peak, with a quarter of the weight bytes.
+
+#define NR8 16  // output columns per int8 panel: 2 vectors of 8 int32
+#define MR8 4   // rows per tile: 4 x 2 accumulators + 2 weights + temporaries fit 16 ymm
+
+static int64_t panels8(int64_t n) { return (n + NR8 - 1) / NR8; }
+
+// codes [N, K] int8 in [-127, 127] -> panels [P8][Kq][NR8][4] (Kq = ceil(K / 4)), zero padded.
+void qarl_pack_s8(const int8_t* w, int64_t N, int64_t K, int64_t ldw, int8_t* out, int nthreads) {
+    int64_t P = panels8(N), Kq = (K + 3) / 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t p = 0; p < P; p++) {
+        int8_t* dst = out + p * Kq * 4 * NR8;
+        for (int j = 0; j < NR8; j++) {
+            int64_t n = p * NR8 + j;
+            for (int64_t k = 0; k < Kq * 4; k++) {
+                int8_t v = (n < N && k < K) ? w[n * ldw + k] : 0;
+                dst[(k / 4) * NR8 * 4 + j * 4 + (k & 3)] = v;
+            }
+        }
+    }
+}
+
+INLINE int32_t load4(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+// c += the exact int32 sums of 4 products a[k] * w[n, k] for the 8 columns of wv.
+#define DOT4(c, a, absa, wv) \
+    c = _mm256_add_epi32(c, _mm256_madd_epi16(_mm256_maddubs_epi16(absa, _mm256_sign_epi8(wv, a)), ones))
+
+// y[r, n] = (float(sum_k x[r, k] w[n, k]) * xs[r]) * ws[n]: the exact int32 sum converted once
+// (round to nearest even, like torch's .float()), then the two scale products in that order.
+// x rows of Kq * 4 int8 (zero padded). Named accumulators: an array would be kept in memory.
+INLINE void tile_s8(int mr, int64_t Kq, const int8_t* x, int64_t ldx, const int8_t* w, int nc,
+                    const float* xs, const float* ws, float* y, int64_t ldy) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00, c20 = c00,
+            c21 = c00, c30 = c00, c31 = c00;
+    for (int64_t kq = 0; kq < Kq; kq++) {
+        const int8_t* wk = w + kq * NR8 * 4;
+        __m256i w0 = _mm256_loadu_si256((const __m256i*)wk);
+        __m256i w1 = _mm256_loadu_si256((const __m256i*)(wk + 32));
+        __m256i a = _mm256_set1_epi32(load4(x + 4 * kq)), absa = _mm256_abs_epi8(a);
+        DOT4(c00, a, absa, w0);
+        DOT4(c01, a, absa, w1);
+        if (mr > 1) {
+            a = _mm256_set1_epi32(load4(x + ldx + 4 * kq)), absa = _mm256_abs_epi8(a);
+            DOT4(c10, a, absa, w0);
+            DOT4(c11, a, absa, w1);
+        }
+        if (mr > 2) {
+            a = _mm256_set1_epi32(load4(x + 2 * ldx + 4 * kq)), absa = _mm256_abs_epi8(a);
+            DOT4(c20, a, absa, w0);
+            DOT4(c21, a, absa, w1);
+        }
+        if (mr > 3) {
+            a = _mm256_set1_epi32(load4(x + 3 * ldx + 4 * kq)), absa = _mm256_abs_epi8(a);
+            DOT4(c30, a, absa, w0);
+            DOT4(c31, a, absa, w1);
+        }
+    }
+    __m256i acc[MR8][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}};
+    __m256 ws0 = _mm256_loadu_ps(ws), ws1 = _mm256_loadu_ps(ws + 8);
+    for (int r = 0; r < mr; r++) {
+        float tmp[NR8];
+        __m256 sx = _mm256_set1_ps(xs[r]);
+        _mm256_storeu_ps(tmp, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][0]), sx), ws0));
+        _mm256_storeu_ps(tmp + 8, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][1]), sx), ws1));
+        memcpy(y + r * ldy, tmp, sizeof(float) * nc);
+    }
+}
+
+// y[M, N] float32 = (xq[M, K] . codes^T) * xs[:, None] * ws[None, :]; xq int8 (row stride
+// ldx), wp from qarl_pack_s8, ws padded to P8 * NR8.
+void qarl_linear_s8(const int8_t* xq, int64_t M, int64_t K, int64_t ldx, const float* xs,
+                    const int8_t* wp, const float* ws, int64_t N, float* y, int64_t ldy,
+                    int nthreads) {
+    int64_t P = panels8(N), Kq = (K + 3) / 4, ld = Kq * 4;
+    int8_t* x = (int8_t*)calloc((size_t)(M * ld), 1);  // rows zero padded to whole quads
+    for (int64_t m = 0; m < M; m++) memcpy(x + m * ld, xq + m * ldx, (size_t)K);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t p = 0; p < P; p++) {
+        int64_t n0 = p * NR8;
+        int nc = N - n0 < NR8 ? (int)(N - n0) : NR8;
+        const int8_t* wpp = wp + p * Kq * 4 * NR8;
+        for (int64_t m0 = 0; m0 < M; m0 += MR8) {
+            int mr = M - m0 < MR8 ? (int)(M - m0) : MR8;
+            const int8_t* xm = x + m0 * ld;
+            float* ym = y + m0 * ldy + n0;
+            switch (mr) {
+                case 4: tile_s8(4, Kq, xm, ld, wpp, nc, xs + m0, ws + n0, ym, ldy); break;
+                case 3: tile_s8(3, Kq, xm, ld, wpp, nc, xs + m0, ws + n0, ym, ldy); break;
+                case 2: tile_s8(2, Kq, xm, ld, wpp, nc, xs + m0, ws + n0, ym, ldy); break;
+                default: tile_s8(1, Kq, xm, ld, wpp, nc, xs + m0, ws + n0, ym, ldy); break;
+            }
+        }
+    }
+    free(x);
+}
+
+// ---------------------------------------------------------------------------------------
+// int4 groups (W4A16, W4A8)
+//
+// Each panel is dequantized into a per-thread fp32 buffer, w = (u - 8) * s (+ z): (u - 8) * s
+// is exact in fp32 (4-bit integer times bf16 scale), so fma((u - 8), s, z) rounds once, like
+// (u - 8) * s + z does; these are exactly the values of numerics.int4_dequantize. The fp32
+// chain above then runs on the buffer: the result equals qarl_linear_f32 on the dequantized
+// weight, bit for bit, for every M.
+
+// u [N, K] uint8 in [0, 15] (K even) -> panels [P][K/2][NR], byte j = u[j, 2i] | u[j, 2i+1] << 4.
+void qarl_pack_u4(const uint8_t* u, int64_t N, int64_t K, int64_t ldu, uint8_t* out, int nthreads) {
+    int64_t P = panels(N);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t p = 0; p < P; p++) {
+        uint8_t* dst = out + p * (K / 2) * NR;
+        for (int j = 0; j < NR; j++) {
+            int64_t n = p * NR + j;
+            for (int64_t i = 0; i < K / 2; i++) {
+                uint8_t v = 0x88;  // padded columns: (8 - 8) * s = 0
+                if (n < N) v = (uint8_t)((u[n * ldu + 2 * i] & 15) | (u[n * ldu + 2 * i + 1] << 4));
+                dst[i * NR + j] = v;
+            }
+        }
+    }
+}
+
+// panel codes [K/2][NR], scales/zeros [G][NR] fp32 -> buf [K][NR] fp32.
+INLINE void dequant_u4(const uint8_t* w, const float* s, const float* z, int64_t K, int64_t group,
+                       float* buf) {
+    const __m256i low = _mm256_set1_epi32(15);
+    const __m256 eight = _mm256_set1_ps(8.f);
+    for (int64_t i = 0; i < K / 2; i++) {
+        int64_t g = (2 * i) / group;
+        for (int j = 0; j < 3; j++) {
+            __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(w + i * NR + 8 * j)));
+            __m256 q0 = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), eight);
+            __m256 q1 = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), eight);
+            __m256 sg = _mm256_loadu_ps(s + g * NR + 8 * j);
+            __m256 w0, w1;
+            if (z) {
+                __m256 zg = _mm256_loadu_ps(z + g * NR + 8 * j);
+                w0 = _mm256_fmadd_ps(q0, sg, zg);
+                w1 = _mm256_fmadd_ps(q1, sg, zg);
+            } else {
+                w0 = _mm256_mul_ps(q0, sg);
+                w1 = _mm256_mul_ps(q1, sg);
+            }
+            _mm256_storeu_ps(buf + (2 * i) * NR + 8 * j, w0);
+            _mm256_storeu_ps(buf + (2 * i + 1) * NR + 8 * j, w1);
+        }
+    }
+}
+
+// One or two rows straight from the codes (decoding at batch 1-2 is bound by dequantizing, so
+// no buffer round trip): the same w values in the same fma order as dequant_u4 + tile_f32,
+// hence the same bits. All 24 columns advance together (a chain waits 4 cycles per fma, so
+// fewer than 3 chains in flight would idle the core); groups outermost.
+#define DEQ_U4(q, sg, zg) (z ? _mm256_fmadd_ps(q, sg, zg) : _mm256_mul_ps(q, sg))
+INLINE void direct_u4(int mr, const float* x, int64_t ldx, const uint8_t* w, const float* s,
+                      const float* z, int64_t K, int64_t group, int nc, float* y, int64_t ldy) {
+    const __m256i low = _mm256_set1_epi32(15);
+    const __m256 eight = _mm256_set1_ps(8.f);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, b0 = a0, b1 = a0, b2 = a0;
+    for (int64_t g = 0; g < K / group; g++) {
+        __m256 s0 = _mm256_loadu_ps(s + g * NR), s1 = _mm256_loadu_ps(s + g * NR + 8),
+               s2 = _mm256_loadu_ps(s + g * NR + 16);
+        __m256 z0 = s0, z1 = s1, z2 = s2;  // unused when symmetric
+        if (z) {
+            z0 = _mm256_loadu_ps(z + g * NR);
+            z1 = _mm256_loadu_ps(z + g * NR + 8);
+            z2 = _mm256_loadu_ps(z + g * NR + 16);
+        }
+        for (int64_t i = g * group / 2; i < (g + 1) * group / 2; i++) {
+            const uint8_t* wi = w + i * NR;
+            __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)wi));
+            __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(wi + 8)));
+            __m256i v2 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(wi + 16)));
+            // k = 2i: low nibbles
+            __m256 w0 = DEQ_U4(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, low)), eight), s0, z0);
+            __m256 w1 = DEQ_U4(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, low)), eight), s1, z1);
+            __m256 w2 = DEQ_U4(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v2, low)), eight), s2, z2);
+            __m256 xa = _mm256_broadcast_ss(x + 2 * i);
+            a0 = _mm256_fmadd_ps(xa, w0, a0);
+            a1 = _mm256_fmadd_ps(xa, w1, a1);
+            a2 = _mm256_fmadd_ps(xa, w2, a2);
+            if (mr > 1) {
+                __m256 xb = _mm256_broadcast_ss(x + ldx + 2 * i);
+                b0 = _mm256_fmadd_ps(xb, w0, b0);
+                b1 = _mm256_fmadd_ps(xb, w1, b1);
+                b2 = _mm256_fmadd_ps(xb, w2, b2);
+            }
+            // k = 2i + 1: high nibbles
+            w0 = DEQ_U4(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), eight), s0, z0);
+            w1 = DEQ_U4(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), eight), s1, z1);
+            w2 = DEQ_U4(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v2, 4)), eight), s2, z2);
+            xa = _mm256_broadcast_ss(x + 2 * i + 1);
+            a0 = _mm256_fmadd_ps(xa, w0, a0);
+            a1 = _mm256_fmadd_ps(xa, w1, a1);
+            a2 = _mm256_fmadd_ps(xa, w2, a2);
+            if (mr > 1) {
+                __m256 xb = _mm256_broadcast_ss(x + ldx + 2 * i + 1);
+                b0 = _mm256_fmadd_ps(xb, w0, b0);
+                b1 = _mm256_fmadd_ps(xb, w1, b1);
+                b2 = _mm256_fmadd_ps(xb, w2, b2);
+            }
+        }
+    }
+    store_row(a0, a1, a2, nc, 0, 0, y);
+    if (mr > 1) store_row(b0, b1, b2, nc, 0, 0, y + ldy);
+}
+
+// y[M, N] = x[M, K] . dequant(W)^T; wp from qarl_pack_u4, s/z [P][G][NR] fp32 (z may be NULL).
+void qarl_linear_u4(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* wp,
+                    const float* s, const float* z, int64_t group, int64_t N, float* y,
+                    int64_t ldy, int nthreads) {
+    int64_t P = panels(N), G = K / group;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float* buf = (float*)aligned_alloc(64, (size_t)((K * NR * 4 + 63) / 64 * 64));
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < P; p++) {
+            int64_t n0 = p * NR;
+            int nc = N - n0 < NR ? (int)(N - n0) : NR;
+            const uint8_t* wpp = wp + p * (K / 2) * NR;
+            const float* sp = s + p * G * NR;
+            const float* zp = z ? z + p * G * NR : 0;
+            if (M == 1) {
+                direct_u4(1, x, ldx, wpp, sp, zp, K, group, nc, y + n0, ldy);
+            } else if (M == 2) {
+                direct_u4(2, x, ldx, wpp, sp, zp, K, group, nc, y + n0, ldy);
+            } else {
+                dequant_u4(wpp, sp, zp, K, group, buf);
+                panel_f32(x, M, K, ldx, buf, nc, 0, 0, 0, y + n0, ldy);
+            }
+        }
+        free(buf);
+    }
+}

@@ -1,0 +1,147 @@
+"""qarl.native: exactness, batch invariance and errors of the AVX2 kernels.
+
+Every test here states a bit-level promise of kernels.c and checks it with torch.equal: the
+int8 GEMM is the exact integer dot product, the int4 GEMM is the fp32 chain on the exactly
+dequantized weight, and no row's bits depend on the other rows.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qarl import native as nat
+from qarl.quant import numerics as nm
+
+pytestmark = pytest.mark.skipif(not nat.available(), reason=f"native kernels: {nat.why_unavailable()}")
+
+# (K, N): SmolLM2 / 109M shapes, ragged N (not a multiple of 16 or 24), odd K, tiny
+SHAPES = [(576, 192), (1536, 64), (1024, 72), (577, 50), (64, 24), (3, 5)]
+ROWS = [1, 2, 3, 4, 5, 16, 17]
+
+
+def _rand(shape, seed, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _codes(shape, seed, low=-127):
+    return torch.randint(low, 128, shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+
+
+def _rows_alone_equal(f, x, full):
+    for i in sorted({0, x.shape[0] // 2, x.shape[0] - 1}):
+        assert torch.equal(f(x[i:i + 1])[0], full[i]), i
+
+
+def test_f32_matches_fp64_and_is_batch_invariant():
+    """linear_f32 is x W^T within fp32 rounding of a K-term sum (|err| <= K * 2^-24 * sum|x w|,
+    bounded here by 1e-6 * K * max(sum|x w|)), and every row alone has the bits it has in any batch."""
+    for seed, (k, n) in enumerate(SHAPES):
+        w = _rand((n, k), seed)
+        packed = nat.pack_f32(w)
+        for m in ROWS:
+            x = _rand((m, k), 100 * seed + m, scale=2.0)
+            y = nat.linear_f32(x, packed)
+            ref = x.double() @ w.double().t()
+            bound = 1e-6 * k * (x.double().abs() @ w.double().abs().t()).max()
+            assert (y.double() - ref).abs().max() <= bound, (k, n, m)
+            _rows_alone_equal(lambda r: nat.linear_f32(r, packed), x, y)
+
+
+def test_f32_bias_and_residual_are_added_after_the_chain():
+    """y = (x W^T + b) + r with the adds in that order: exactly the plain product followed by
+    the two fp32 adds in torch (the epilogue never touches the chain's bits)."""
+    k, n, m = 320, 96, 7
+    w, x, b, r = _rand((n, k), 1), _rand((m, k), 2), _rand((n,), 3), _rand((m, n), 4)
+    packed = nat.pack_f32(w)
+    plain = nat.linear_f32(x, packed)
+    assert torch.equal(nat.linear_f32(x, packed, b, r), (plain + b) + r)
+    assert torch.equal(nat.linear_f32(x, packed, b), plain + b)
+    lead = nat.linear_f32(x.view(1, m, k), packed, residual=r.view(1, m, n))
+    assert lead.shape == (1, m, n) and torch.equal(lead[0], plain + r)
+
+
+def test_s8_is_the_exact_integer_product_then_two_scale_products():
+    """linear_s8 = float(sum_k xq wq) * xs * ws with the int32 sum exact (int64 reference),
+    including the extreme codes (+-127 weights, -128 activations), odd K and ragged N."""
+    for seed, (k, n) in enumerate(SHAPES + [(4096, 40)]):
+        wq = _codes((n, k), seed)
+        wq[0] = 127
+        wq[-1, ::2] = -127
+        ws = _rand((n,), seed + 1).abs() + 0.01
+        packed = nat.pack_s8(wq, ws)
+        for m in ROWS:
+            xq = _codes((m, k), 100 * seed + m, low=-128)
+            xq[0] = -128 if m > 1 else xq[0]
+            xs = _rand((m,), seed + m).abs() + 0.01
+            y = nat.linear_s8(xq, xs, packed)
+            acc = (xq.long() @ wq.long().t()).to(torch.int32)
+            assert torch.equal(y, acc.float() * xs[:, None] * ws[None, :]), (k, n, m)
+            for i in (0, m - 1):
+                alone = nat.linear_s8(xq[i:i + 1], xs[i:i + 1], packed)
+                assert torch.equal(alone[0], y[i])
+
+
+def test_s8_refuses_minus_128_weights():
+    """A -128 weight code cannot take the activation's sign in int8: pack_s8 says so."""
+    wq = _codes((8, 16), 0)
+    wq[3, 3] = -128
+    with pytest.raises(ValueError, match=r"\[-127, 127\]"):
+        nat.pack_s8(wq, torch.ones(8))
+
+
+@pytest.mark.parametrize("group,symmetric", [(32, True), (64, False), (128, True), (64, True)])
+def test_u4_equals_f32_on_the_dequantized_weight(group, symmetric):
+    """linear_u4 equals linear_f32 on numerics.int4_dequantize's weight bit for bit, through
+    both of its paths (1-2 rows from registers, more rows through a buffer)."""
+    for seed, (k, n) in enumerate([(576, 192), (1536, 50), (1024, 72)]):
+        if k % group:
+            continue
+        u, s, z = nm.int4_groups(_rand((n, k), seed), group, symmetric)
+        packed = nat.pack_u4(u, s, z, group)
+        dense = nat.pack_f32(nm.int4_dequantize(u, s, z, group))
+        for m in ROWS:
+            x = _rand((m, k), 10 * seed + m).bfloat16().float()
+            y = nat.linear_u4(x, packed)
+            assert torch.equal(y, nat.linear_f32(x, dense)), (k, n, m)
+            _rows_alone_equal(lambda r: nat.linear_u4(r, packed), x, y)
+
+
+def test_bad_inputs_raise_clearly():
+    """Wrong dtypes, feature counts and group layouts name the problem."""
+    packed = nat.pack_f32(_rand((8, 16), 0))
+    with pytest.raises(ValueError, match="16 features"):
+        nat.linear_f32(torch.zeros(2, 15), packed)
+    with pytest.raises(ValueError, match="float32"):
+        nat.linear_f32(torch.zeros(2, 16, dtype=torch.float64), packed)
+    with pytest.raises(ValueError, match="group_size=64"):
+        nat.pack_u4(torch.zeros(8, 96, dtype=torch.uint8), torch.ones(8, 1), None, 64)
+    with pytest.raises(ValueError, match="activation scales"):
+        nat.linear_s8(_codes((3, 16), 1), torch.ones(2), nat.pack_s8(_codes((8, 16), 2), torch.ones(8)))
+
+
+def test_turned_off_by_environment(tmp_path):
+    """QARL_NATIVE=0 makes the kernels unavailable, with the reason, and qarl falls back."""
+    code = ("from qarl import native; from qarl.quant import SCHEMES; import torch;"
+            "print(native.available(), native.why_unavailable());"
+            "print(SCHEMES['w8a8-int8'].method(torch.device('cpu')))")
+    env = {**os.environ, "QARL_NATIVE": "0", "QARL_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines()[0] == "False turned off by QARL_NATIVE=0"
+    assert out.stdout.splitlines()[1] in ("onednn", "sgemm")
+
+
+def test_built_once_per_source_into_qarl_home(tmp_path):
+    """A fresh QARL_HOME gets one library named by the source hash; a second process reuses it."""
+    code = "from qarl import native; print(native.available())"
+    env = {**os.environ, "QARL_HOME": str(tmp_path)}
+    env.pop("QARL_NATIVE", None)
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == "True"
+    built = list((tmp_path / "kernels").iterdir())
+    assert len(built) == 1 and built[0].name.startswith("qarl_cpu-") and built[0].suffix == ".so"

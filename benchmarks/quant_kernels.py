@@ -1,12 +1,14 @@
 """Quantized linear kernels and quantized decode speed, printed as one JSON object.
 
 Part 1 ("layers"): one linear layer per format at M = 1, 16, 256 rows and (K, N) from 1024 to
-4096, timed against plain fp32 and bf16 `F.linear` and the batch-invariant fp32 linear.
+4096, timed against plain fp32 and bf16 `F.linear`, the batch-invariant fp32 linear and (where
+it runs) qarl.native's packed fp32 GEMM, which is what the engine's fp32 decode uses.
 Part 2 ("decode"): `qarl.rollout.LocalEngine` greedy decode ms/step per format (projections
 quantized in kernel mode, lm_head left to the engine) on the 109M Qwen3 config and on
 smollm2-135m, batch 1 and 16; step time = (t(N tokens) - t(1 token)) / (N - 1), best of
-`--repeats`. Threads default to 1: on a shared 2-core machine, two OpenMP threads make every
-GEMM wait on the busier core (10-30x slower M>1 fp32 GEMMs measured).
+`--repeats`. Run it on a quiet machine: with other jobs on a 2-core machine two OpenMP threads
+make every GEMM wait on the busier core (10-30x slower M>1 fp32 GEMMs measured); the load
+average before and after is recorded.
 
     .venv/bin/python benchmarks/quant_kernels.py                # everything (~10 min)
     .venv/bin/python benchmarks/quant_kernels.py --parts layers --shapes 1024x4096
@@ -16,12 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 
 import torch
 import torch.nn.functional as F
 
+from qarl import native
 from qarl.quant import SCHEMES, batch_invariant_linear, quantize_model
 
 QWEN3_109M = dict(  # same as benchmarks/engine_throughput.py (108.5M parameters)
@@ -56,6 +60,9 @@ def layer_figures(shapes, rows, formats) -> list[dict]:
                     "fp32_ms": best_ms(lambda: F.linear(x, w)),
                     "bf16_ms": best_ms(lambda: F.linear(xb, wb)),
                     "fp32_batch_invariant_ms": best_ms(lambda: batch_invariant_linear(x, w))}
+            if native.available():
+                packed = native.pack_f32(w)
+                case["fp32_native_ms"] = best_ms(lambda: native.linear_f32(x, packed))
             for name in formats:
                 scheme = SCHEMES[name]
                 qw = scheme.quantize(w)
@@ -124,7 +131,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=9)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     formats = args.formats.split(",")
@@ -132,7 +139,8 @@ def main(argv=None) -> dict:
         SCHEMES[f]  # unknown names raise with the valid list
     report = {"benchmark": "quant_kernels", "torch": torch.__version__, "threads": args.threads,
               "machine": platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-              "note": "shared, loaded development machine: figures are noisy"}
+              "native_kernels": native.available() or native.why_unavailable(),
+              "load_average_before": list(os.getloadavg())}
     parts = args.parts.split(",")
     if "layers" in parts:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -144,6 +152,7 @@ def main(argv=None) -> dict:
         )
         add_speedups(cases)
         report["decode_engine"], report["decode"] = engine, cases
+    report["load_average_after"] = list(os.getloadavg())
     print(json.dumps(report, indent=1))
     return report
 

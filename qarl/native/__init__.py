@@ -5,7 +5,8 @@ packed once (`pack_f32`, `pack_s8`, `pack_u4`) and the packed object is reused f
 
 - `linear_f32(x, w)`: fp32 x W^T (+ bias) (+ residual), one fma chain per output element;
 - `linear_s8(xq, xs, w)`: W8A8 int8, exact int32 sums, then (acc * xs) * ws, the same bits
-  as `torch._int_mm` followed by the same two scale products;
+  as `torch._int_mm` followed by the same two scale products; `linear_s8_dynamic(x, w)` also
+  quantizes the rows of x (`quantize_rows_s8`, = `numerics.int8_rows` bit for bit);
 - `linear_u4(x, w)`: int4 group weights dequantized to exactly `numerics.int4_dequantize`'s
   values, then the fp32 chain: equal to `linear_f32(x, pack_f32(dequantized))` bit for bit.
 
@@ -26,7 +27,8 @@ NR8 = 16  # output columns per int8 panel
 
 __all__ = [
     "available", "why_unavailable", "PackedF32", "PackedS8", "PackedU4",
-    "pack_f32", "pack_s8", "pack_u4", "linear_f32", "linear_s8", "linear_u4",
+    "pack_f32", "pack_s8", "pack_u4", "linear_f32", "linear_s8", "linear_s8_dynamic",
+    "linear_u4", "quantize_rows_s8",
 ]
 
 
@@ -144,6 +146,26 @@ def linear_s8(xq: Tensor, xs: Tensor, w: PackedS8) -> Tensor:
     y = torch.empty(m, w.n, dtype=torch.float32)
     _lib().qarl_linear_s8(x2.data_ptr(), m, w.k, w.k, xs.data_ptr(), w.data.data_ptr(),
                           w.scales.data_ptr(), w.n, y.data_ptr(), w.n, _threads())
+    return y
+
+
+def quantize_rows_s8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [M, K] float32 -> codes [M, K] int8, scales [M] float32: numerics.int8_rows, exactly."""
+    x2 = _rows(x, torch.float32, x.shape[-1], "quantize_rows_s8")
+    m, k = x2.shape
+    codes = torch.empty(m, k, dtype=torch.int8)
+    scales = torch.empty(m, dtype=torch.float32)
+    _lib().qarl_quantize_rows_s8(x2.data_ptr(), m, k, k, codes.data_ptr(), scales.data_ptr())
+    return codes, scales
+
+
+def linear_s8_dynamic(x: Tensor, w: PackedS8) -> Tensor:
+    """x [M, K] float32 -> linear_s8(*quantize_rows_s8(x), w) in one call: [M, N] float32."""
+    x2 = _rows(x, torch.float32, w.k, "linear_s8_dynamic")
+    m = x2.shape[0]
+    y = torch.empty(m, w.n, dtype=torch.float32)
+    _lib().qarl_linear_s8_dynamic(x2.data_ptr(), m, w.k, w.k, w.data.data_ptr(),
+                                  w.scales.data_ptr(), w.n, y.data_ptr(), w.n, _threads())
     return y
 
 

@@ -80,6 +80,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "qarl_linear_f32": [p, i64, i64, i64, p, i64, p, p, i64, p, i64, i32],
         "qarl_pack_s8": [p, i64, i64, i64, p, i32],
         "qarl_linear_s8": [p, i64, i64, i64, p, p, p, i64, p, i64, i32],
+        "qarl_quantize_rows_s8": [p, i64, i64, i64, p, p],
+        "qarl_linear_s8_dynamic": [p, i64, i64, i64, p, p, i64, p, i64, i32],
         "qarl_pack_u4": [p, i64, i64, i64, p, i32],
         "qarl_linear_u4": [p, i64, i64, i64, p, p, p, i64, i64, p, i64, i32],
     }

@@ -206,14 +206,11 @@ INLINE void tile_s8(int mr, int64_t Kq, const int8_t* x, int64_t ldx, const int8
     }
 }
 
-// y[M, N] float32 = (xq[M, K] . codes^T) * xs[:, None] * ws[None, :]; xq int8 (row stride
-// ldx), wp from qarl_pack_s8, ws padded to P8 * NR8.
-void qarl_linear_s8(const int8_t* xq, int64_t M, int64_t K, int64_t ldx, const float* xs,
+// The GEMM over rows already padded to whole quads (row stride ld = Kq * 4).
+static void gemm_s8(const int8_t* x, int64_t M, int64_t Kq, int64_t ld, const float* xs,
                     const int8_t* wp, const float* ws, int64_t N, float* y, int64_t ldy,
                     int nthreads) {
-    int64_t P = panels8(N), Kq = (K + 3) / 4, ld = Kq * 4;
-    int8_t* x = (int8_t*)calloc((size_t)(M * ld), 1);  // rows zero padded to whole quads
-    for (int64_t m = 0; m < M; m++) memcpy(x + m * ld, xq + m * ldx, (size_t)K);
+    int64_t P = panels8(N);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t p = 0; p < P; p++) {
         int64_t n0 = p * NR8;
@@ -231,7 +228,67 @@ void qarl_linear_s8(const int8_t* xq, int64_t M, int64_t K, int64_t ldx, const f
             }
         }
     }
+}
+
+// y[M, N] float32 = (xq[M, K] . codes^T) * xs[:, None] * ws[None, :]; xq int8 (row stride
+// ldx), wp from qarl_pack_s8, ws padded to P8 * NR8.
+void qarl_linear_s8(const int8_t* xq, int64_t M, int64_t K, int64_t ldx, const float* xs,
+                    const int8_t* wp, const float* ws, int64_t N, float* y, int64_t ldy,
+                    int nthreads) {
+    int64_t Kq = (K + 3) / 4, ld = Kq * 4;
+    int8_t* x = (int8_t*)calloc((size_t)(M * ld), 1);  // rows zero padded to whole quads
+    for (int64_t m = 0; m < M; m++) memcpy(x + m * ld, xq + m * ldx, (size_t)K);
+    gemm_s8(x, M, Kq, ld, xs, wp, ws, N, y, ldy, nthreads);
     free(x);
+}
+
+// One row as numerics.int8_rows quantizes it: s = max|x| / 127 (1 for an all-zero row),
+// q = clamp(round_half_even(x / s), -127, 127), with a true division like torch's.
+static void quantize_row_s8(const float* x, int64_t K, int8_t* q, float* scale) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 vmax = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+    float lanes[8], amax = 0.f;
+    _mm256_storeu_ps(lanes, vmax);
+    for (int j = 0; j < 8; j++) amax = lanes[j] > amax ? lanes[j] : amax;
+    for (; k < K; k++) {
+        float a = x[k] < 0 ? -x[k] : x[k];
+        amax = a > amax ? a : amax;
+    }
+    float s = amax > 0.f ? amax / 127.f : 1.f;
+    *scale = s;
+    const __m256 vs = _mm256_set1_ps(s), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+    for (k = 0; k + 8 <= K; k += 8) {
+        __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + k), vs),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m256i c = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+        int32_t c32[8];
+        _mm256_storeu_si256((__m256i*)c32, c);
+        for (int j = 0; j < 8; j++) q[k + j] = (int8_t)c32[j];
+    }
+    for (; k < K; k++) {
+        float v = __builtin_nearbyintf(x[k] / s);  // the default rounding mode: half to even
+        q[k] = (int8_t)(v > 127.f ? 127.f : v < -127.f ? -127.f : v);
+    }
+}
+
+// Rows of x [M, K] float32 -> codes [M, K] int8 and scales [M]: numerics.int8_rows, exactly.
+void qarl_quantize_rows_s8(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q,
+                           float* scales) {
+    for (int64_t m = 0; m < M; m++) quantize_row_s8(x + m * ldx, K, q + m * K, scales + m);
+}
+
+// The dynamic W8A8 linear in one call: rows of x quantized as above, then the int8 GEMM.
+void qarl_linear_s8_dynamic(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* wp,
+                            const float* ws, int64_t N, float* y, int64_t ldy, int nthreads) {
+    int64_t Kq = (K + 3) / 4, ld = Kq * 4;
+    int8_t* xq = (int8_t*)calloc((size_t)(M * ld), 1);
+    float* xs = (float*)malloc(sizeof(float) * (size_t)(M > 0 ? M : 1));
+    for (int64_t m = 0; m < M; m++) quantize_row_s8(x + m * ldx, K, xq + m * ld, xs + m);
+    gemm_s8(xq, M, Kq, ld, xs, wp, ws, N, y, ldy, nthreads);
+    free(xs);
+    free(xq);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -151,10 +151,11 @@ class Int8Scheme(Scheme):
 
     def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
         method = self.method(x.device)
-        xq, xs = nm.int8_rows(x)  # [M, K] int8, [M]
         if method == "native":
+            # int8_rows, the exact GEMM and (acc * s_x) * s_w, like the lines below, in one call
             packed = self.prepared(qw, x.device, "native-s8", lambda: nat.pack_s8(qw.codes, qw.scales))
-            return nat.linear_s8(xq, xs, packed)  # (acc * s_x) * s_w, like the line below
+            return nat.linear_s8_dynamic(x.float(), packed)
+        xq, xs = nm.int8_rows(x)  # [M, K] int8, [M]
         chunks = None
         if method in ("sgemm", "onednn"):
             chunks = self.prepared(qw, x.device, method,

@@ -145,3 +145,18 @@ def test_built_once_per_source_into_qarl_home(tmp_path):
         assert out.stdout.strip() == "True"
     built = list((tmp_path / "kernels").iterdir())
     assert len(built) == 1 and built[0].name.startswith("qarl_cpu-") and built[0].suffix == ".so"
+
+
+def test_dynamic_int8_quantizer_equals_numerics():
+    """quantize_rows_s8 gives numerics.int8_rows' codes and scales bit for bit (the STE backward
+    and fake mode use the torch one), including all-zero rows, exact .5 ties and K % 8 != 0;
+    linear_s8_dynamic equals the two steps."""
+    for k in (5, 64, 577, 1536):
+        x = _rand((9, k), k, scale=4.0)
+        x[1] = 0.0
+        x[2, : min(k, 4)] = torch.tensor([127.0, 0.5, -1.5, 2.5])[: min(k, 4)]  # s = 1: ties
+        codes, scales = nat.quantize_rows_s8(x)
+        ref_codes, ref_scales = nm.int8_rows(x)
+        assert torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales), k
+        packed = nat.pack_s8(_codes((40, k), k), _rand((40,), k).abs())
+        assert torch.equal(nat.linear_s8_dynamic(x, packed), nat.linear_s8(ref_codes, ref_scales, packed))

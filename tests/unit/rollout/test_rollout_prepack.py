@@ -149,15 +149,51 @@ def test_only_plain_fp32_linears_are_packed_and_partly_custom_blocks_are_not_fus
         assert patched(bf16) == []
 
 
-def test_quantized_model_keeps_its_kernels_and_scores_exactly(make_model):
-    """A qarl.quant model (int8 kernel mode) has no plain linears in its blocks: no block is
-    fused, only the plain lm_head is packed, and score reproduces generate exactly."""
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("scheme", ["w8a8-int8", "w4a16-int4"])
+def test_quantized_blocks_fuse_exactly_and_score_exactly(make_model, family, scheme):
+    """Kernel-mode quantized blocks run fused (q/k/v and gate/up as one quantized GEMM each on
+    row-stacked QWeights) and the plain lm_head packed; the fused forward equals the model's
+    own per-layer forward bit for bit where the block has no q/k norm (llama, qwen2: the
+    stacked GEMM is row-exact), within fp32 rounding with it (qwen3: one fused RMSNorm call);
+    and score on a second engine reproduces generate exactly."""
     from qarl.quant import quantize_model
 
-    model = quantize_model(make_model(), "w8a8-int8", mode="kernel", exclude=["lm_head"])
-    with LinearPrepacker().applied(model, batch_hint=1):
-        assert patched(model) == [model.lm_head]
+    model = quantize_model(make_model(family=family), scheme, mode="kernel", group_size=32,
+                           exclude=["lm_head"]) if scheme != "w8a8-int8" else quantize_model(
+        make_model(family=family), scheme, mode="kernel", exclude=["lm_head"])
+    ids = torch.tensor([PROMPTS[0], [7, 8, 1, 2, 3]])
+    with torch.no_grad():
+        plain = model(ids)  # hidden states [B, T, d]
+        with LinearPrepacker().applied(model, batch_hint=2):
+            assert set(patched(model)) == {*model.model.layers, model.lm_head}
+            fused = model(ids)
+    if family == "qwen3":
+        torch.testing.assert_close(fused, plain, atol=1e-4, rtol=0)
+    else:
+        assert torch.equal(fused, plain)
     sampling = SamplingParams(max_new_tokens=8)
     batch = LocalEngine(model, eos_token_ids=()).generate(PROMPTS, sampling, seed=1)
     scored = LocalEngine(model, eos_token_ids=()).score(batch, sampling)
     assert torch.equal(scored, batch.rollout_logp)
+
+
+def test_fused_quantized_block_follows_pushed_weights(make_model):
+    """A push (load_state installs new QWeights) rebuilds the stacked packs: decoding after a
+    push equals a fresh engine on the pushed weights, never the stale ones."""
+    from qarl.quant import export_state, load_state, quantize_model
+
+    engine_model = quantize_model(make_model(), "w8a8-int8", mode="kernel")
+    learner = quantize_model(make_model(), "w8a8-int8", mode="kernel")
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    engine = LocalEngine(engine_model, eos_token_ids=())
+    before = engine.generate(PROMPTS, SHORT, seed=0).rollout_logp
+    load_state(engine_model, export_state(learner))
+    after = engine.generate(PROMPTS, SHORT, seed=0).rollout_logp
+    fresh = quantize_model(make_model(), "w8a8-int8", mode="kernel")
+    load_state(fresh, export_state(learner))
+    reference = LocalEngine(fresh, eos_token_ids=()).generate(PROMPTS, SHORT, seed=0).rollout_logp
+    assert not torch.equal(before, after)
+    assert torch.equal(after, reference)

@@ -6,7 +6,7 @@ it runs) qarl.native's packed fp32 GEMM, which is what the engine's fp32 decode 
 Part 2 ("decode"): `qarl.rollout.LocalEngine` greedy decode ms/step per format (projections
 quantized in kernel mode, lm_head left to the engine) on the 109M Qwen3 config and on
 smollm2-135m, batch 1 and 16; step time = (t(N tokens) - t(1 token)) / (N - 1), best of
-`--repeats`. Run it on a quiet machine: with other jobs on a 2-core machine two OpenMP threads
+`--repeats`, the formats' engines built side by side and their timed calls interleaved. Run it on a quiet machine: with other jobs on a 2-core machine two OpenMP threads
 make every GEMM wait on the busier core (10-30x slower M>1 fp32 GEMMs measured); the load
 average before and after is recorded.
 
@@ -82,36 +82,42 @@ def build_model(name: str):
 
 
 def decode_figures(models, batches, formats, new_tokens, repeats, prompt_len) -> tuple[str, list]:
+    """Every format's engine is built first and the timed calls are interleaved (format after
+    format, repeat after repeat), so drifts of the machine's speed hit all formats alike."""
     from qarl.rollout import LocalEngine
     from qarl.types import SamplingParams
 
     out = []
     for model_name in models:
+        engines = {}
         for fmt in ["fp32"] + list(formats):
             model = build_model(model_name)
             if fmt != "fp32":
                 quantize_model(model, fmt, mode="kernel")
-            engine = LocalEngine(model, eos_token_ids=(), pad_token_id=0)
-            for batch in batches:
-                prompts = torch.randint(1, model.config.vocab_size, (batch, prompt_len),
-                                        generator=torch.Generator().manual_seed(batch)).tolist()
+            engines[fmt] = LocalEngine(model, eos_token_ids=(), pad_token_id=0)
+        for batch in batches:
+            prompts = torch.randint(1, engines["fp32"].model.config.vocab_size, (batch, prompt_len),
+                                    generator=torch.Generator().manual_seed(batch)).tolist()
 
-                def generate(n):
-                    engine.generate(prompts, SamplingParams(max_new_tokens=n, greedy=True), seed=0)
+            def generate(engine, n):
+                engine.generate(prompts, SamplingParams(max_new_tokens=n, greedy=True), seed=0)
 
-                generate(2)  # warm-up, and prepares the kernel operands once
-                best = {1: float("inf"), new_tokens: float("inf")}
-                for _ in range(repeats):
+            for engine in engines.values():
+                generate(engine, 2)  # warm-up, and prepares the kernel operands once
+            best = {(fmt, n): float("inf") for fmt in engines for n in (1, new_tokens)}
+            for _ in range(repeats):
+                for fmt, engine in engines.items():
                     for n in (new_tokens, 1):
                         start = time.perf_counter()
-                        generate(n)
-                        best[n] = min(best[n], time.perf_counter() - start)
-                ms = 1000 * (best[new_tokens] - best[1]) / (new_tokens - 1)
+                        generate(engine, n)
+                        best[fmt, n] = min(best[fmt, n], time.perf_counter() - start)
+            for fmt in engines:
+                ms = 1000 * (best[fmt, new_tokens] - best[fmt, 1]) / (new_tokens - 1)
                 case = {"model": model_name, "format": fmt, "batch": batch, "ms_per_step": round(ms, 2)}
                 out.append(case)
                 print(json.dumps(case), flush=True)
-            del engine, model
-    return "qarl.rollout.LocalEngine (greedy, prepacked fp32 lm_head)", out
+        del engines
+    return "qarl.rollout.LocalEngine (greedy, prepacked fp32 lm_head), formats interleaved", out
 
 
 def add_speedups(cases: list[dict]) -> None:

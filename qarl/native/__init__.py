@@ -36,10 +36,16 @@ def available() -> bool:
     return load() is not None
 
 
+_LIB = []  # the loaded library, once: decoding calls the kernels ~100 times per token
+
+
 def _lib():
+    if _LIB:
+        return _LIB[0]
     lib = load()
     if lib is None:
         raise RuntimeError(f"qarl's native CPU kernels are unavailable: {why_unavailable()}")
+    _LIB.append(lib)
     return lib
 
 
@@ -56,12 +62,14 @@ def _threads() -> int:
 
 
 def _rows(x: Tensor, dtype: torch.dtype, k: int, what: str) -> Tensor:
-    # x [..., K] -> [M, K] contiguous CPU tensor of dtype
-    if x.device.type != "cpu" or x.dtype != dtype or x.shape[-1] != k:
+    # x [..., K] -> [M, K] contiguous CPU tensor of dtype (no copy when it already is one)
+    if not x.is_cpu or x.dtype != dtype or x.shape[-1] != k:
         raise ValueError(
             f"{what} expects a CPU {dtype} input with {k} features, got {x.dtype} "
             f"{tuple(x.shape)} on {x.device}"
         )
+    if x.dim() == 2 and x.is_contiguous():
+        return x
     return x.reshape(-1, k).contiguous()
 
 
@@ -104,15 +112,14 @@ def pack_f32(w: Tensor) -> PackedF32:
 def linear_f32(x: Tensor, w: PackedF32, bias: Tensor | None = None,
                residual: Tensor | None = None) -> Tensor:
     """x [..., K] float32 -> x W^T (+ bias [N]) (+ residual [..., N]): [..., N] float32."""
-    lead = x.shape[:-1]
     x2 = _rows(x, torch.float32, w.k, "linear_f32")
     m = x2.shape[0]
     y = torch.empty(m, w.n, dtype=torch.float32)
     b = None if bias is None else bias.detach().float().contiguous()
     r = None if residual is None else residual.reshape(m, w.n).float().contiguous()
     _lib().qarl_linear_f32(x2.data_ptr(), m, w.k, w.k, w.data.data_ptr(), w.n, _ptr(b), _ptr(r),
-                           w.n, y.data_ptr(), w.n, _threads())
-    return y.reshape(*lead, w.n)
+                           w.n, y.data_ptr(), w.n, torch.get_num_threads())
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], w.n)
 
 
 def pack_s8(codes: Tensor, scales: Tensor) -> PackedS8:
@@ -165,7 +172,8 @@ def linear_s8_dynamic(x: Tensor, w: PackedS8) -> Tensor:
     m = x2.shape[0]
     y = torch.empty(m, w.n, dtype=torch.float32)
     _lib().qarl_linear_s8_dynamic(x2.data_ptr(), m, w.k, w.k, w.data.data_ptr(),
-                                  w.scales.data_ptr(), w.n, y.data_ptr(), w.n, _threads())
+                                  w.scales.data_ptr(), w.n, y.data_ptr(), w.n,
+                                  torch.get_num_threads())
     return y
 
 
@@ -192,11 +200,13 @@ def pack_u4(u: Tensor, scales: Tensor, zeros: Tensor | None, group_size: int) ->
     return PackedU4(out, _group_panels(scales, n), z, group_size, n, k)
 
 
-def linear_u4(x: Tensor, w: PackedU4) -> Tensor:
-    """x [M, K] float32 -> x dequant(W)^T: [M, N] float32."""
+def linear_u4(x: Tensor, w: PackedU4, round_bf16: bool = False) -> Tensor:
+    """x [M, K] float32 -> x dequant(W)^T: [M, N] float32. round_bf16: x rounded to bf16 first
+    (to nearest even, the same bits as x.bfloat16().float()), the A16 of W4A16."""
     x2 = _rows(x, torch.float32, w.k, "linear_u4")
     m = x2.shape[0]
     y = torch.empty(m, w.n, dtype=torch.float32)
     _lib().qarl_linear_u4(x2.data_ptr(), m, w.k, w.k, w.data.data_ptr(), w.scales.data_ptr(),
-                          _ptr(w.zeros), w.group_size, w.n, y.data_ptr(), w.n, _threads())
+                          _ptr(w.zeros), w.group_size, w.n, int(round_bf16), y.data_ptr(), w.n,
+                          torch.get_num_threads())
     return y

@@ -402,10 +402,33 @@ INLINE void direct_u4(int mr, const float* x, int64_t ldx, const uint8_t* w, con
     if (mr > 1) store_row(b0, b1, b2, nc, 0, 0, y + ldy);
 }
 
-// y[M, N] = x[M, K] . dequant(W)^T; wp from qarl_pack_u4, s/z [P][G][NR] fp32 (z may be NULL).
+// fp32 -> the nearest bf16 (ties to even) as fp32, what torch's x.bfloat16().float() gives.
+static float round_bf16(float v) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        u |= 0x00400000u;  // NaN stays a (quiet) NaN
+    } else {
+        u += 0x7fffu + ((u >> 16) & 1u);
+    }
+    u &= 0xffff0000u;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+// y[M, N] = x[M, K] . dequant(W)^T; wp from qarl_pack_u4, s/z [P][G][NR] fp32 (z may be NULL);
+// bf16: round x to bf16 first (W4A16's activations).
 void qarl_linear_u4(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* wp,
-                    const float* s, const float* z, int64_t group, int64_t N, float* y,
+                    const float* s, const float* z, int64_t group, int64_t N, int bf16, float* y,
                     int64_t ldy, int nthreads) {
+    float* xr = 0;
+    if (bf16) {
+        xr = (float*)malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1));
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t k = 0; k < K; k++) xr[m * K + k] = round_bf16(x[m * ldx + k]);
+        x = xr;
+        ldx = K;
+    }
     int64_t P = panels(N), G = K / group;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -428,4 +451,5 @@ void qarl_linear_u4(const float* x, int64_t M, int64_t K, int64_t ldx, const uin
         }
         free(buf);
     }
+    free(xr);
 }

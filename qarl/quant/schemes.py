@@ -31,6 +31,8 @@ FP8_BLOCK = 128
 
 
 def check_input(x: Tensor, scheme: str) -> None:
+    if x.dtype in ACT_DTYPES and (x.is_cpu or x.is_cuda):
+        return  # the common case, checked without building a device object
     if x.device.type not in DEVICES:
         raise ValueError(
             f"scheme {scheme!r} has no kernel path on device {x.device.type!r}; supported "
@@ -64,10 +66,11 @@ class Scheme:
 
     def prepared(self, qw: QWeight, device: torch.device, what: str, build) -> object:
         """Kernel-ready operand of `qw` for `device`, built once (layout only, never codes)."""
-        key = (what, str(device))
-        if key not in qw.prepared:
-            qw.prepared[key] = build()
-        return qw.prepared[key]
+        key = (what, device)
+        found = qw.prepared.get(key)
+        if found is None:
+            found = qw.prepared[key] = build()
+        return found
 
     def float_gemm(self, x: Tensor, qw: QWeight, weight) -> Tensor:
         """x [M, K] . weight()^T with a batch-invariant GEMM: the native fp32 kernel on a CPU
@@ -303,8 +306,9 @@ class Int4Scheme(Scheme):
 
     def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
         if self.uses_native(x.device):
-            # = the fp32 chain on act_qdq(x) and the dequantized weight, exactly
-            return nat.linear_u4(self.act_qdq(x), self._native(qw, x.device))
+            # = the fp32 chain on act_qdq(x) (bf16 rounding done in the kernel, same bits) and
+            # the dequantized weight, exactly
+            return nat.linear_u4(x.float(), self._native(qw, x.device), round_bf16=True)
         if self.uses_kernel(x.device, qw):
             packed, sz = self.prepared(qw, x.device, "int4pack", lambda: self._pack(qw))
             return K.int4pack_mm(x.bfloat16(), packed, qw.group_size, sz)

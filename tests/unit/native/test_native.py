@@ -160,3 +160,18 @@ def test_dynamic_int8_quantizer_equals_numerics():
         assert torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales), k
         packed = nat.pack_s8(_codes((40, k), k), _rand((40,), k).abs())
         assert torch.equal(nat.linear_s8_dynamic(x, packed), nat.linear_s8(ref_codes, ref_scales, packed))
+
+
+def test_u4_bf16_rounding_equals_torch():
+    """linear_u4(round_bf16=True) rounds x exactly as x.bfloat16().float() (ties to even,
+    subnormals, infinities), so W4A16's kernel sees the act_qdq values of the learner."""
+    u, s, z = nm.int4_groups(_rand((48, 64), 0), 32, False)
+    packed = nat.pack_u4(u, s, z, 32)
+    x = _rand((5, 64), 1, scale=3.0)
+    x[0, :6] = torch.tensor([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -(1.0 + 2 ** -8), 1e-40, float("inf"), 3.3e38])
+    assert torch.equal(nat.linear_u4(x[1:], packed, round_bf16=True),
+                       nat.linear_u4(x[1:].bfloat16().float(), packed))
+    rounded = nat.linear_u4(x[:1], packed, round_bf16=True)
+    reference = nat.linear_u4(x[:1].bfloat16().float(), packed)
+    assert torch.equal(rounded.isnan(), reference.isnan())
+    assert torch.equal(rounded.nan_to_num(), reference.nan_to_num())

@@ -1,18 +1,9 @@
-"""Schemes: one object per format with quantize / dequantize / act_qdq / linear.
-
-`quantize(w [N, K]) -> QWeight`; `dequantize(qw) -> [N, K] float32`; `act_qdq(x [M, K]) ->
-[M, K] float32` is the activation quantizer followed by its dequantizer (what the kernel
-effectively multiplies; `fake` mode and the straight-through backward use it);
-`linear(x [..., K], qw, bias) -> [..., N]` in x's dtype runs the kernel path for x's device.
-`kernel_path(device, qw)` names the path and why it was chosen (for logs).
-
-Activations of the A16 formats are rounded to bfloat16 (the "16" of W4A16), whatever the
-model dtype; the int8/fp8 activation formats quantize per token on the fly.
-"""
+"""The format registry `SCHEMES`, `make_scheme`, and the full-precision and 8-bit formats
+(the 4-bit ones live in `schemes_4bit.py`, the shared contract in `scheme_base.py`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -21,77 +12,16 @@ from qarl import native as nat
 from qarl.quant import kernels as K
 from qarl.quant import numerics as nm
 from qarl.quant.qweight import QWeight
+from qarl.quant.scheme_base import ACT_DTYPES, DEVICES, Scheme, check_input
+from qarl.quant.schemes_4bit import INT4_GEMMS, INT4_GROUP_SIZES, Int4Scheme, Nvfp4Scheme, W4A8Scheme
 
-ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-DEVICES = ("cpu", "cuda")
-INT4_GROUP_SIZES = (32, 64, 128)
+__all__ = [
+    "ACT_DTYPES", "DEVICES", "FP8_BLOCK", "INT4_GEMMS", "INT4_GROUP_SIZES", "INT8_GEMMS", "SCHEMES",
+    "Scheme", "check_input", "make_scheme", "scheme_of", "scheme_options",
+]
+
 INT8_GEMMS = ("auto", "int_mm", "native", "onednn", "sgemm")
-INT4_GEMMS = ("auto", "int4pack", "native")
 FP8_BLOCK = 128
-
-
-def check_input(x: Tensor, scheme: str) -> None:
-    if x.dtype in ACT_DTYPES and (x.is_cpu or x.is_cuda):
-        return  # the common case, checked without building a device object
-    if x.device.type not in DEVICES:
-        raise ValueError(
-            f"scheme {scheme!r} has no kernel path on device {x.device.type!r}; supported "
-            f"devices: {list(DEVICES)}. Move the model to one of them."
-        )
-    if x.dtype not in ACT_DTYPES:
-        raise TypeError(
-            f"scheme {scheme!r} got activations of dtype {x.dtype}; supported: "
-            f"{[str(d) for d in ACT_DTYPES]}. Cast the model (and inputs) to one of them."
-        )
-
-
-@dataclass(frozen=True)
-class Scheme:
-    """Base: shared input checks, flattening and bias; subclasses define the math."""
-
-    name = "base"
-
-    def options(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    def linear(self, x: Tensor, qw: QWeight, bias: Tensor | None = None) -> Tensor:
-        check_input(x, self.name)
-        lead, k = x.shape[:-1], x.shape[-1]
-        if k != qw.shape[1]:
-            raise ValueError(f"input has {k} features, the {self.name} weight expects {qw.shape[1]}")
-        y = self._linear(x.reshape(-1, k), qw)  # [M, N] float32 (bf16 for the int4 kernel)
-        if bias is not None:
-            y = y.float() + bias.float()
-        return y.to(x.dtype).reshape(*lead, qw.shape[0])
-
-    def prepared(self, qw: QWeight, device: torch.device, what: str, build) -> object:
-        """Kernel-ready operand of `qw` for `device`, built once (layout only, never codes)."""
-        key = (what, device)
-        found = qw.prepared.get(key)
-        if found is None:
-            found = qw.prepared[key] = build()
-        return found
-
-    def float_gemm(self, x: Tensor, qw: QWeight, weight) -> Tensor:
-        """x [M, K] . weight()^T with a batch-invariant GEMM: the native fp32 kernel on a CPU
-        that runs it (weight packed once per QWeight), else `batch_invariant_linear`."""
-        if K.native_f32_ok(x.device, qw):
-            packed = self.prepared(qw, x.device, "native-f32", lambda: nat.pack_f32(weight()))
-            return nat.linear_f32(x.float(), packed)
-        w = self.prepared(qw, x.device, "dequantized", weight)
-        return K.batch_invariant_linear(x, w)
-
-    def float_gemm_path(self, device: torch.device, qw: QWeight) -> str:
-        if K.native_f32_ok(device, qw):
-            return "native fp32 GEMM (qarl.native, one fma chain per output)"
-        return f"batch_invariant_linear ({K.BI_TILE}-row tiles)"
-
-    def check_weight(self, w: Tensor) -> None:
-        if w.dim() != 2:
-            raise ValueError(f"{self.name}: expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
-
-    def matches(self, qw: QWeight) -> bool:
-        return qw.scheme == self.name
 
 
 @dataclass(frozen=True)
@@ -245,141 +175,6 @@ class Fp8BlockScheme(Scheme):
     def kernel_path(self, device: torch.device, qw: QWeight) -> str:
         return ("exact block-FP8 emulation: fp64 per-128 partial sums, fixed-order fp32 "
                 "scale promotion (no block-scaled FP8 kernel is wired)")
-
-
-@dataclass(frozen=True)
-class Int4Scheme(Scheme):
-    """W4A16 int4: weights in groups of `group_size` along K, symmetric or with bf16 zeros;
-    activations rounded to bf16. gemm: "auto" (CPU: native if it runs here, else int4pack),
-    "native" (fp32 output, exactly the fp32 chain on the dequantized weight) or "int4pack"
-    (torch._weight_int4pack_mm_for_cpu, bf16 output)."""
-
-    group_size: int = 64
-    symmetric: bool = True
-    gemm: str = "auto"
-    name = "w4a16-int4"
-
-    def __post_init__(self):
-        if self.group_size not in INT4_GROUP_SIZES:
-            raise ValueError(
-                f"{self.name} group_size={self.group_size}; valid: {list(INT4_GROUP_SIZES)}"
-            )
-        if self.gemm not in INT4_GEMMS:
-            raise ValueError(f"{self.name} gemm={self.gemm!r}; valid: {sorted(INT4_GEMMS)}")
-
-    def matches(self, qw: QWeight) -> bool:
-        return (qw.scheme, qw.group_size, qw.symmetric) == (self.name, self.group_size, self.symmetric)
-
-    def quantize(self, w: Tensor) -> QWeight:
-        self.check_weight(w)
-        u, s, z = nm.int4_groups(w.detach(), self.group_size, self.symmetric)
-        return QWeight(self.name, tuple(w.shape), nm.pack_nibbles(u), s, z,
-                       group_size=self.group_size, symmetric=self.symmetric)
-
-    def dequantize(self, qw: QWeight) -> Tensor:
-        return nm.int4_dequantize(nm.unpack_nibbles(qw.codes), qw.scales, qw.zeros, qw.group_size)
-
-    def act_qdq(self, x: Tensor) -> Tensor:
-        return x.bfloat16().float()
-
-    def uses_native(self, device: torch.device) -> bool:
-        if self.gemm == "native" and not K.native_ok(device):
-            raise RuntimeError(
-                f"{self.name} gemm='native' cannot run on {device.type}: "
-                f"{K.native.why_unavailable() if device.type == 'cpu' else 'CPU only'}; "
-                "use gemm='auto'"
-            )
-        return self.gemm == "native" or (self.gemm == "auto" and K.native_ok(device))
-
-    def uses_kernel(self, device: torch.device, qw: QWeight) -> bool:
-        return device.type == "cpu" and qw.shape[0] % 16 == 0
-
-    def _pack(self, qw: QWeight) -> tuple[Tensor, Tensor]:
-        return K.int4pack_prepare(nm.unpack_nibbles(qw.codes), qw.scales, qw.zeros)
-
-    def _native(self, qw: QWeight, device) -> nat.PackedU4:
-        return self.prepared(qw, device, "native-u4", lambda: nat.pack_u4(
-            nm.unpack_nibbles(qw.codes), qw.scales, qw.zeros, qw.group_size))
-
-    def _deq(self, qw: QWeight, device) -> Tensor:
-        return self.prepared(qw, device, "dequantized", lambda: self.dequantize(qw))
-
-    def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
-        if self.uses_native(x.device):
-            # = the fp32 chain on act_qdq(x) (bf16 rounding done in the kernel, same bits) and
-            # the dequantized weight, exactly
-            return nat.linear_u4(x.float(), self._native(qw, x.device), round_bf16=True)
-        if self.uses_kernel(x.device, qw):
-            packed, sz = self.prepared(qw, x.device, "int4pack", lambda: self._pack(qw))
-            return K.int4pack_mm(x.bfloat16(), packed, qw.group_size, sz)
-        return K.batch_invariant_linear(self.act_qdq(x), self._deq(qw, x.device))
-
-    def kernel_path(self, device: torch.device, qw: QWeight) -> str:
-        if self.uses_native(device):
-            return ("native int4 GEMM (qarl.native: codes dequantized in registers to the exact "
-                    "fp32 weight, fp32 fma chain), bf16-rounded activations")
-        if self.uses_kernel(device, qw):
-            return "torch._weight_int4pack_mm_for_cpu, bf16 activations"
-        why = "N % 16 != 0" if device.type == "cpu" else "no int4 kernel wired for CUDA"
-        return f"emulation: batch_invariant_linear on the dequantized weight ({why})"
-
-
-@dataclass(frozen=True)
-class W4A8Scheme(Int4Scheme):
-    """W4A8: the int4 group weights of w4a16-int4, int8 per-token activations."""
-
-    name = "w4a8-int"
-
-    def act_qdq(self, x: Tensor) -> Tensor:
-        xq, xs = nm.int8_rows(x)
-        return xq.float() * xs[:, None]
-
-    def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
-        xq, xs = nm.int8_rows(x)  # [M, K] int8, [M]
-        if self.uses_native(x.device):
-            y = nat.linear_u4(xq.float(), self._native(qw, x.device))  # codes exact in fp32
-        elif self.uses_kernel(x.device, qw):
-            packed, sz = self.prepared(qw, x.device, "int4pack", lambda: self._pack(qw))
-            # int8 codes are exact in bf16 (|q| <= 127), so the int4 kernel sees them unchanged
-            y = K.int4pack_mm(xq.bfloat16(), packed, qw.group_size, sz)
-        else:
-            y = K.batch_invariant_linear(xq.float(), self._deq(qw, x.device))
-        # y = (sum_k q_x w_hat) * s_x
-        return y.float() * xs[:, None]
-
-    def kernel_path(self, device: torch.device, qw: QWeight) -> str:
-        if self.uses_native(device):
-            return ("native int4 GEMM (qarl.native) on the int8 activation codes, per-token "
-                    "scale after")
-        if self.uses_kernel(device, qw):
-            return ("torch._weight_int4pack_mm_for_cpu on int8 activation codes (exact in "
-                    "bf16), per-token scale after (group scales cannot go through _int_mm)")
-        return super().kernel_path(device, qw)
-
-
-@dataclass(frozen=True)
-class Nvfp4Scheme(Scheme):
-    """W4A16 NVFP4: E2M1 values, E4M3 scale per 16, fp32 global scale; bf16 activations."""
-
-    name = "w4a16-nvfp4"
-
-    def quantize(self, w: Tensor) -> QWeight:
-        self.check_weight(w)
-        codes, s, g = nm.nvfp4(w.detach())
-        return QWeight(self.name, tuple(w.shape), nm.pack_nibbles(codes), s, global_scale=g, group_size=16)
-
-    def dequantize(self, qw: QWeight) -> Tensor:
-        return nm.nvfp4_dequantize(nm.unpack_nibbles(qw.codes), qw.scales, qw.global_scale)
-
-    def act_qdq(self, x: Tensor) -> Tensor:
-        return x.bfloat16().float()
-
-    def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
-        return self.float_gemm(self.act_qdq(x), qw, lambda: self.dequantize(qw))
-
-    def kernel_path(self, device: torch.device, qw: QWeight) -> str:
-        return (f"emulation: {self.float_gemm_path(device, qw)} on the dequantized fp32 weight "
-                "(no FP4 kernel here)")
 
 
 class _Registry(dict):

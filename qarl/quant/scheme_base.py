@@ -1,0 +1,89 @@
+"""Schemes: one object per format with quantize / dequantize / act_qdq / linear.
+
+`quantize(w [N, K]) -> QWeight`; `dequantize(qw) -> [N, K] float32`; `act_qdq(x [M, K]) ->
+[M, K] float32` is the activation quantizer followed by its dequantizer (what the kernel
+effectively multiplies; `fake` mode and the straight-through backward use it);
+`linear(x [..., K], qw, bias) -> [..., N]` in x's dtype runs the kernel path for x's device.
+`kernel_path(device, qw)` names the path and why it was chosen (for logs).
+
+Activations of the A16 formats are rounded to bfloat16 (the "16" of W4A16), whatever the
+model dtype; the int8/fp8 activation formats quantize per token on the fly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from qarl import native as nat
+from qarl.quant import kernels as K
+from qarl.quant.qweight import QWeight
+
+ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DEVICES = ("cpu", "cuda")
+
+
+def check_input(x: Tensor, scheme: str) -> None:
+    if x.dtype in ACT_DTYPES and (x.is_cpu or x.is_cuda):
+        return  # the common case, checked without building a device object
+    if x.device.type not in DEVICES:
+        raise ValueError(
+            f"scheme {scheme!r} has no kernel path on device {x.device.type!r}; supported "
+            f"devices: {list(DEVICES)}. Move the model to one of them."
+        )
+    if x.dtype not in ACT_DTYPES:
+        raise TypeError(
+            f"scheme {scheme!r} got activations of dtype {x.dtype}; supported: "
+            f"{[str(d) for d in ACT_DTYPES]}. Cast the model (and inputs) to one of them."
+        )
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """Base: shared input checks, flattening and bias; subclasses define the math."""
+
+    name = "base"
+
+    def options(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def linear(self, x: Tensor, qw: QWeight, bias: Tensor | None = None) -> Tensor:
+        check_input(x, self.name)
+        lead, k = x.shape[:-1], x.shape[-1]
+        if k != qw.shape[1]:
+            raise ValueError(f"input has {k} features, the {self.name} weight expects {qw.shape[1]}")
+        y = self._linear(x.reshape(-1, k), qw)  # [M, N] float32 (bf16 for the int4 kernel)
+        if bias is not None:
+            y = y.float() + bias.float()
+        return y.to(x.dtype).reshape(*lead, qw.shape[0])
+
+    def prepared(self, qw: QWeight, device: torch.device, what: str, build) -> object:
+        """Kernel-ready operand of `qw` for `device`, built once (layout only, never codes)."""
+        key = (what, device)
+        found = qw.prepared.get(key)
+        if found is None:
+            found = qw.prepared[key] = build()
+        return found
+
+    def float_gemm(self, x: Tensor, qw: QWeight, weight) -> Tensor:
+        """x [M, K] . weight()^T with a batch-invariant GEMM: the native fp32 kernel on a CPU
+        that runs it (weight packed once per QWeight), else `batch_invariant_linear`."""
+        if K.native_f32_ok(x.device, qw):
+            packed = self.prepared(qw, x.device, "native-f32", lambda: nat.pack_f32(weight()))
+            return nat.linear_f32(x.float(), packed)
+        w = self.prepared(qw, x.device, "dequantized", weight)
+        return K.batch_invariant_linear(x, w)
+
+    def float_gemm_path(self, device: torch.device, qw: QWeight) -> str:
+        if K.native_f32_ok(device, qw):
+            return "native fp32 GEMM (qarl.native, one fma chain per output)"
+        return f"batch_invariant_linear ({K.BI_TILE}-row tiles)"
+
+    def check_weight(self, w: Tensor) -> None:
+        if w.dim() != 2:
+            raise ValueError(f"{self.name}: expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
+
+    def matches(self, qw: QWeight) -> bool:
+        return qw.scheme == self.name

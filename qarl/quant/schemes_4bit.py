@@ -1,0 +1,153 @@
+"""The 4-bit formats: int4 groups with bf16 activations (W4A16), the same weights with int8
+activations (W4A8), and NVFP4. The contract is the one of `scheme_base.Scheme`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from qarl import native as nat
+from qarl.quant import kernels as K
+from qarl.quant import numerics as nm
+from qarl.quant.qweight import QWeight
+from qarl.quant.scheme_base import Scheme
+
+INT4_GROUP_SIZES = (32, 64, 128)
+INT4_GEMMS = ("auto", "int4pack", "native")
+
+
+@dataclass(frozen=True)
+class Int4Scheme(Scheme):
+    """W4A16 int4: weights in groups of `group_size` along K, symmetric or with bf16 zeros;
+    activations rounded to bf16. gemm: "auto" (CPU: native if it runs here, else int4pack),
+    "native" (fp32 output, exactly the fp32 chain on the dequantized weight) or "int4pack"
+    (torch._weight_int4pack_mm_for_cpu, bf16 output)."""
+
+    group_size: int = 64
+    symmetric: bool = True
+    gemm: str = "auto"
+    name = "w4a16-int4"
+
+    def __post_init__(self):
+        if self.group_size not in INT4_GROUP_SIZES:
+            raise ValueError(
+                f"{self.name} group_size={self.group_size}; valid: {list(INT4_GROUP_SIZES)}"
+            )
+        if self.gemm not in INT4_GEMMS:
+            raise ValueError(f"{self.name} gemm={self.gemm!r}; valid: {sorted(INT4_GEMMS)}")
+
+    def matches(self, qw: QWeight) -> bool:
+        return (qw.scheme, qw.group_size, qw.symmetric) == (self.name, self.group_size, self.symmetric)
+
+    def quantize(self, w: Tensor) -> QWeight:
+        self.check_weight(w)
+        u, s, z = nm.int4_groups(w.detach(), self.group_size, self.symmetric)
+        return QWeight(self.name, tuple(w.shape), nm.pack_nibbles(u), s, z,
+                       group_size=self.group_size, symmetric=self.symmetric)
+
+    def dequantize(self, qw: QWeight) -> Tensor:
+        return nm.int4_dequantize(nm.unpack_nibbles(qw.codes), qw.scales, qw.zeros, qw.group_size)
+
+    def act_qdq(self, x: Tensor) -> Tensor:
+        return x.bfloat16().float()
+
+    def uses_native(self, device: torch.device) -> bool:
+        if self.gemm == "native" and not K.native_ok(device):
+            raise RuntimeError(
+                f"{self.name} gemm='native' cannot run on {device.type}: "
+                f"{K.native.why_unavailable() if device.type == 'cpu' else 'CPU only'}; "
+                "use gemm='auto'"
+            )
+        return self.gemm == "native" or (self.gemm == "auto" and K.native_ok(device))
+
+    def uses_kernel(self, device: torch.device, qw: QWeight) -> bool:
+        return device.type == "cpu" and qw.shape[0] % 16 == 0
+
+    def _pack(self, qw: QWeight) -> tuple[Tensor, Tensor]:
+        return K.int4pack_prepare(nm.unpack_nibbles(qw.codes), qw.scales, qw.zeros)
+
+    def _native(self, qw: QWeight, device) -> nat.PackedU4:
+        return self.prepared(qw, device, "native-u4", lambda: nat.pack_u4(
+            nm.unpack_nibbles(qw.codes), qw.scales, qw.zeros, qw.group_size))
+
+    def _deq(self, qw: QWeight, device) -> Tensor:
+        return self.prepared(qw, device, "dequantized", lambda: self.dequantize(qw))
+
+    def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
+        if self.uses_native(x.device):
+            # = the fp32 chain on act_qdq(x) (bf16 rounding done in the kernel, same bits) and
+            # the dequantized weight, exactly
+            return nat.linear_u4(x.float(), self._native(qw, x.device), round_bf16=True)
+        if self.uses_kernel(x.device, qw):
+            packed, sz = self.prepared(qw, x.device, "int4pack", lambda: self._pack(qw))
+            return K.int4pack_mm(x.bfloat16(), packed, qw.group_size, sz)
+        return K.batch_invariant_linear(self.act_qdq(x), self._deq(qw, x.device))
+
+    def kernel_path(self, device: torch.device, qw: QWeight) -> str:
+        if self.uses_native(device):
+            return ("native int4 GEMM (qarl.native: codes dequantized in registers to the exact "
+                    "fp32 weight, fp32 fma chain), bf16-rounded activations")
+        if self.uses_kernel(device, qw):
+            return "torch._weight_int4pack_mm_for_cpu, bf16 activations"
+        why = "N % 16 != 0" if device.type == "cpu" else "no int4 kernel wired for CUDA"
+        return f"emulation: batch_invariant_linear on the dequantized weight ({why})"
+
+
+@dataclass(frozen=True)
+class W4A8Scheme(Int4Scheme):
+    """W4A8: the int4 group weights of w4a16-int4, int8 per-token activations."""
+
+    name = "w4a8-int"
+
+    def act_qdq(self, x: Tensor) -> Tensor:
+        xq, xs = nm.int8_rows(x)
+        return xq.float() * xs[:, None]
+
+    def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
+        xq, xs = nm.int8_rows(x)  # [M, K] int8, [M]
+        if self.uses_native(x.device):
+            y = nat.linear_u4(xq.float(), self._native(qw, x.device))  # codes exact in fp32
+        elif self.uses_kernel(x.device, qw):
+            packed, sz = self.prepared(qw, x.device, "int4pack", lambda: self._pack(qw))
+            # int8 codes are exact in bf16 (|q| <= 127), so the int4 kernel sees them unchanged
+            y = K.int4pack_mm(xq.bfloat16(), packed, qw.group_size, sz)
+        else:
+            y = K.batch_invariant_linear(xq.float(), self._deq(qw, x.device))
+        # y = (sum_k q_x w_hat) * s_x
+        return y.float() * xs[:, None]
+
+    def kernel_path(self, device: torch.device, qw: QWeight) -> str:
+        if self.uses_native(device):
+            return ("native int4 GEMM (qarl.native) on the int8 activation codes, per-token "
+                    "scale after")
+        if self.uses_kernel(device, qw):
+            return ("torch._weight_int4pack_mm_for_cpu on int8 activation codes (exact in "
+                    "bf16), per-token scale after (group scales cannot go through _int_mm)")
+        return super().kernel_path(device, qw)
+
+
+@dataclass(frozen=True)
+class Nvfp4Scheme(Scheme):
+    """W4A16 NVFP4: E2M1 values, E4M3 scale per 16, fp32 global scale; bf16 activations."""
+
+    name = "w4a16-nvfp4"
+
+    def quantize(self, w: Tensor) -> QWeight:
+        self.check_weight(w)
+        codes, s, g = nm.nvfp4(w.detach())
+        return QWeight(self.name, tuple(w.shape), nm.pack_nibbles(codes), s, global_scale=g, group_size=16)
+
+    def dequantize(self, qw: QWeight) -> Tensor:
+        return nm.nvfp4_dequantize(nm.unpack_nibbles(qw.codes), qw.scales, qw.global_scale)
+
+    def act_qdq(self, x: Tensor) -> Tensor:
+        return x.bfloat16().float()
+
+    def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
+        return self.float_gemm(self.act_qdq(x), qw, lambda: self.dequantize(qw))
+
+    def kernel_path(self, device: torch.device, qw: QWeight) -> str:
+        return (f"emulation: {self.float_gemm_path(device, qw)} on the dequantized fp32 weight "
+                "(no FP4 kernel here)")

@@ -29,9 +29,10 @@ native (M=1: 0.41, 0.21, 0.19 ms).
 Packed copies are kept between calls and checked on every entry against the storage, the
 in-place version counter and the shape of every parameter they were built from, so updated
 weights (`LocalEngine.load_weights`, an optimizer step on a shared model) are never served
-stale. Only plain `nn.Linear` layers with fp32 CPU weights are touched: quantized layers keep
-their own scheme kernels, bf16 layers (oneDNN's bf16 path needs AVX512-BF16 or AVX-NE-CONVERT)
-and accelerator tensors keep their own forward. Results differ from the unfused `F.linear`
+stale; quantized packs are keyed on the identity of each layer's installed QWeight. Only plain
+fp32 CPU `nn.Linear` layers are packed; quantized layers always run their scheme's kernel
+(stacked, in fused blocks), and bf16 layers (no bf16 arithmetic on this CPU) and accelerator
+tensors keep their own forward. Results differ from the unfused `F.linear`
 path by rounding only (~1e-6 relative in fp32); two models with identical weights compute
 identically on this path, which is what `LocalEngine.score` relies on (the native kernel is
 also batch-invariant: a row's bits never depend on the other rows).

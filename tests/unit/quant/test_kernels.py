@@ -122,3 +122,21 @@ def test_bad_dtype_and_device_raise():
         scheme.linear(torch.zeros(2, 64, device="meta"), qw)
     with pytest.raises(ValueError, match="features"):
         scheme.linear(torch.zeros(2, 32), qw)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_stacked_rows_give_each_layer_its_own_output(name):
+    """stack_rows of q/k/v-like QWeights (one input, several layers) run as one linear equals
+    the layers run one by one, bit for bit, for every row-separable format; the formats whose
+    scales span rows (FP8-block tiles, NVFP4's global scale) are refused."""
+    from qarl.quant.qweight import ROW_STACKABLE, stack_rows
+
+    scheme = SCHEMES[name]
+    qws = [scheme.quantize(_rand((n, 256), seed)) for seed, n in enumerate((64, 32, 32))]
+    if name not in ROW_STACKABLE:
+        with pytest.raises(ValueError, match="not row-separable"):
+            stack_rows(qws)
+        return
+    x = _rand((7, 256), 9, scale=3.0)
+    stacked = scheme.linear(x, stack_rows(qws))
+    assert torch.equal(stacked, torch.cat([scheme.linear(x, qw) for qw in qws], dim=-1))

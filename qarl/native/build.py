@@ -70,6 +70,11 @@ def _build(cc: str) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    # builds of other sources (older qarl versions) are never loaded again by this one: drop
+    # them (a process that has one loaded keeps its mapping)
+    for stale in target.parent.glob("qarl_cpu-*.so"):
+        if stale != target:
+            stale.unlink(missing_ok=True)
     return target
 
 

@@ -136,9 +136,12 @@ def test_turned_off_by_environment(tmp_path):
 
 
 def test_built_once_per_source_into_qarl_home(tmp_path):
-    """A fresh QARL_HOME gets one library named by the source hash; a second process reuses it."""
+    """A fresh QARL_HOME gets one library named by the source hash, a build of another source
+    (an older qarl) is dropped, and a second process reuses the library."""
     code = "from qarl import native; print(native.available())"
     env = {**os.environ, "QARL_HOME": str(tmp_path)}
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "qarl_cpu-0123456789abcdef.so").write_bytes(b"stale")
     env.pop("QARL_NATIVE", None)
     for _ in range(2):
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

@@ -33,3 +33,22 @@ def test_cuda_int8_is_exact():
     w, x = torch.randn(128, 256, generator=g), torch.randn(5, 256, generator=g)
     qw = scheme.quantize(w)
     assert torch.equal(scheme.linear(x.cuda(), qw.to("cuda")).cpu(), scheme.linear(x, qw))
+
+
+@pytest.mark.parametrize("name", ["w8a8-int8", "w8a8-fp8"])
+def test_cuda_engine_scores_exactly_what_it_sampled(name):
+    """On CUDA too, replaying the engine's decode path (`score`, what the learner uses for
+    old_logp) reproduces the sampler's logprobs bit for bit for a quantized model."""
+    from qarl.model import CausalLM, ModelConfig
+    from qarl.quant import quantize_model
+    from qarl.rollout import LocalEngine
+    from qarl.types import SamplingParams
+
+    torch.manual_seed(0)
+    config = ModelConfig(family="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128,
+                         num_layers=2, num_heads=4, num_kv_heads=2, max_position_embeddings=128)
+    model = quantize_model(CausalLM(config).cuda(), name, mode="kernel")
+    engine = LocalEngine(model, eos_token_ids=())
+    sampling = SamplingParams(max_new_tokens=8)
+    batch = engine.generate([[5, 17, 3], [7, 8, 9, 10]], sampling, seed=0)
+    assert torch.equal(engine.score(batch, sampling), batch.rollout_logp)

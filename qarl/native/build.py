@@ -88,6 +88,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "qarl_quantize_rows_s8": [p, i64, i64, i64, p, p],
         "qarl_linear_s8_dynamic": [p, i64, i64, i64, p, p, i64, p, i64, i32],
         "qarl_pack_u4": [p, i64, i64, i64, p, i32],
+        "qarl_attend_decode": [p, i64, i64, i64, i64, p, i64, i64, i64, p, i64, i64, i64, i64,
+                               p, i64, ctypes.c_float, p, i32],
         "qarl_linear_u4": [p, i64, i64, i64, p, p, p, i64, i64, i32, p, i64, i32],
     }
     for name, args in signatures.items():

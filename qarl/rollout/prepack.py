@@ -259,9 +259,12 @@ def fused_block_forward(
     v = qkv[..., (H + Hkv) * D :].unflatten(-1, (Hkv, D)).transpose(1, 2)  # [B, Hkv, T, D]
     if cache is not None:
         k, v = cache.update(layer, k, v, cache_start)  # [B, Hkv, S, D]
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=H != Hkv,
-    )
+    if T == 1 and q.dtype == torch.float32 and D % 8 == 0 and native.available():
+        out = native.attend_decode(q, k, v, mask)  # [B, H, 1, D]: one query, no SDPA setup
+    else:
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=H != Hkv,
+        )
     # x + o_proj(attention), the residual add fused into the GEMM
     x = _linear_add(out.transpose(1, 2).reshape(B, T, H * D), x, packs.o, attn.o_proj.bias)
     h = block.post_attention_layernorm(x)

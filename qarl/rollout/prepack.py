@@ -240,6 +240,13 @@ def _pack_block(block: Block, batch_hint: int) -> BlockPacks:
     )
 
 
+def _rms_norm(norm: nn.Module, x: Tensor) -> Tensor:
+    # RMSNorm.forward in one op for fp32 (the same bits: tested through the fused block)
+    if type(norm) is not RMSNorm or x.dtype != torch.float32:
+        return norm(x)
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
+
+
 def fused_block_forward(
     block: Block, packs: BlockPacks, x, cos, sin, mask, cache, layer: int, cache_start: int
 ) -> Tensor:
@@ -247,7 +254,8 @@ def fused_block_forward(
     attn, mlp = block.self_attn, block.mlp
     B, T, _ = x.shape
     H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    qkv = _linear(block.input_layernorm(x), packs.qkv, packs.qkv_bias)  # [B, T, (H+2Hkv) D]
+    h = _rms_norm(block.input_layernorm, x)
+    qkv = _linear(h, packs.qkv, packs.qkv_bias)  # [B, T, (H + 2 Hkv) D]
     qk = qkv[..., : (H + Hkv) * D].unflatten(-1, (H + Hkv, D))  # [B, T, H + Hkv, D]
     if attn.q_norm is not None:
         # Qwen3 per-head RMSNorm of q and k in one pass, then each scaled by its own weight
@@ -267,7 +275,7 @@ def fused_block_forward(
         )
     # x + o_proj(attention), the residual add fused into the GEMM
     x = _linear_add(out.transpose(1, 2).reshape(B, T, H * D), x, packs.o, attn.o_proj.bias)
-    h = block.post_attention_layernorm(x)
+    h = _rms_norm(block.post_attention_layernorm, x)
     gate_up = _linear(h, packs.gate_up, packs.gate_up_bias)  # [B, T, 2 ffn]
     ffn = gate_up.shape[-1] // 2
     # SwiGLU: x + down(silu(gate(h)) * up(h)), the residual add fused into the GEMM

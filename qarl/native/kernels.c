@@ -433,7 +433,9 @@ void qarl_linear_u4(const float* x, int64_t M, int64_t K, int64_t ldx, const uin
     int64_t P = panels(N), G = K / group;
 #pragma omp parallel num_threads(nthreads)
     {
-        float* buf = (float*)aligned_alloc(64, (size_t)((K * NR * 4 + 63) / 64 * 64));
+        // the dequantized-panel buffer only for M > 2 (1-2 rows work from registers; a buffer
+        // of K x 24 floats per call would cost an mmap for large K)
+        float* buf = M > 2 ? (float*)aligned_alloc(64, (size_t)((K * NR * 4 + 63) / 64 * 64)) : 0;
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < P; p++) {
             int64_t n0 = p * NR;

@@ -40,6 +40,15 @@ def check_input(x: Tensor, scheme: str) -> None:
         )
 
 
+def run_rows(run, x: Tensor, bias: Tensor | None, n: int) -> Tensor:
+    """x [..., K] -> run(rows [M, K]) -> [M, N] (float32, or bf16 from the int4pack kernel),
+    plus bias in float32, back in x's dtype and leading shape: [..., N]."""
+    y = run(x.reshape(-1, x.shape[-1]))
+    if bias is not None:
+        y = y.float() + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
 @dataclass(frozen=True)
 class Scheme:
     """Base: shared input checks, flattening and bias; subclasses define the math."""
@@ -51,13 +60,16 @@ class Scheme:
 
     def linear(self, x: Tensor, qw: QWeight, bias: Tensor | None = None) -> Tensor:
         check_input(x, self.name)
-        lead, k = x.shape[:-1], x.shape[-1]
-        if k != qw.shape[1]:
-            raise ValueError(f"input has {k} features, the {self.name} weight expects {qw.shape[1]}")
-        y = self._linear(x.reshape(-1, k), qw)  # [M, N] float32 (bf16 for the int4 kernel)
-        if bias is not None:
-            y = y.float() + bias.float()
-        return y.to(x.dtype).reshape(*lead, qw.shape[0])
+        if x.shape[-1] != qw.shape[1]:
+            raise ValueError(f"input has {x.shape[-1]} features, the {self.name} weight expects {qw.shape[1]}")
+        return run_rows(lambda rows: self._linear(rows, qw), x, bias, qw.shape[0])
+
+    def bound(self, qw: QWeight, device: torch.device):
+        """`rows [M, K] -> _linear(rows, qw)` for checked inputs on `device`, with the kernel
+        choice and operand preparation done once: what the engine's fused blocks call ~100
+        times per token (`run_rows(scheme.bound(qw, d), x, bias, N) == scheme.linear(x, qw,
+        bias)` bit for bit)."""
+        return lambda rows: self._linear(rows, qw)
 
     def prepared(self, qw: QWeight, device: torch.device, what: str, build) -> object:
         """Kernel-ready operand of `qw` for `device`, built once (layout only, never codes)."""

@@ -82,12 +82,20 @@ class Int8Scheme(Scheme):
         xq, xs = nm.int8_rows(x)
         return xq.float() * xs[:, None]
 
+    def _native(self, qw: QWeight, device: torch.device) -> nat.PackedS8:
+        return self.prepared(qw, device, "native-s8", lambda: nat.pack_s8(qw.codes, qw.scales))
+
+    def bound(self, qw: QWeight, device: torch.device):
+        if self.method(device) == "native":
+            packed = self._native(qw, device)
+            return lambda rows: nat.linear_s8_dynamic(rows.float(), packed)
+        return super().bound(qw, device)
+
     def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
         method = self.method(x.device)
         if method == "native":
             # int8_rows, the exact GEMM and (acc * s_x) * s_w, like the lines below, in one call
-            packed = self.prepared(qw, x.device, "native-s8", lambda: nat.pack_s8(qw.codes, qw.scales))
-            return nat.linear_s8_dynamic(x.float(), packed)
+            return nat.linear_s8_dynamic(x.float(), self._native(qw, x.device))
         xq, xs = nm.int8_rows(x)  # [M, K] int8, [M]
         chunks = None
         if method in ("sgemm", "onednn"):

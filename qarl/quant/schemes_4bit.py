@@ -75,6 +75,12 @@ class Int4Scheme(Scheme):
     def _deq(self, qw: QWeight, device) -> Tensor:
         return self.prepared(qw, device, "dequantized", lambda: self.dequantize(qw))
 
+    def bound(self, qw: QWeight, device: torch.device):
+        if self.uses_native(device):
+            packed = self._native(qw, device)
+            return lambda rows: nat.linear_u4(rows.float(), packed, round_bf16=True)
+        return super().bound(qw, device)
+
     def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
         if self.uses_native(x.device):
             # = the fp32 chain on act_qdq(x) (bf16 rounding done in the kernel, same bits) and
@@ -100,6 +106,7 @@ class W4A8Scheme(Int4Scheme):
     """W4A8: the int4 group weights of w4a16-int4, int8 per-token activations."""
 
     name = "w4a8-int"
+    bound = Scheme.bound  # its _linear quantizes activations to int8 first: no shortcut
 
     def act_qdq(self, x: Tensor) -> Tensor:
         xq, xs = nm.int8_rows(x)

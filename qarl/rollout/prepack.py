@@ -51,8 +51,8 @@ from torch import Tensor, nn
 from qarl import native
 from qarl.model.decoder import MLP, Attention, Block, RMSNorm, apply_rope
 from qarl.quant.linear import QuantLinear
-from qarl.quant.qweight import ROW_STACKABLE, QWeight, stack_rows
-from qarl.quant.schemes import Scheme
+from qarl.quant.qweight import ROW_STACKABLE, stack_rows
+from qarl.quant.scheme_base import run_rows
 
 
 def prepack_available(device: torch.device) -> bool:
@@ -71,10 +71,11 @@ def _packable(module: nn.Module) -> bool:
 @dataclass(frozen=True)
 class QuantPack:
     """Quantized projections that share an input, rows stacked into one QWeight (exact: see
-    `stack_rows`) and run by their scheme's kernel in one call."""
+    `stack_rows`) and run by their scheme's kernel in one call; `run` is the scheme's kernel
+    bound to that QWeight (`Scheme.bound`), `n` its output size."""
 
-    scheme: Scheme
-    qweight: QWeight
+    run: object  # rows [M, K] -> [M, n]
+    n: int
 
 
 def _linear(x: Tensor, packed, bias: Tensor | None) -> Tensor:
@@ -82,7 +83,7 @@ def _linear(x: Tensor, packed, bias: Tensor | None) -> Tensor:
     if isinstance(packed, native.PackedF32):
         return native.linear_f32(x, packed, bias)
     if isinstance(packed, QuantPack):
-        return packed.scheme.linear(x, packed.qweight, bias)
+        return run_rows(packed.run, x, bias, packed.n)  # = scheme.linear(x, qweight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -91,7 +92,7 @@ def _linear_add(x: Tensor, residual: Tensor, packed, bias: Tensor | None) -> Ten
     if isinstance(packed, native.PackedF32):
         return native.linear_f32(x, packed, bias, residual)
     if isinstance(packed, QuantPack):
-        return residual + packed.scheme.linear(x, packed.qweight, bias)
+        return residual + run_rows(packed.run, x, bias, packed.n)
     return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
 
 
@@ -223,7 +224,7 @@ def _pack_quant_block(block: Block) -> BlockPacks:
     def stacked(stack):
         qw = stack[0].qweight() if len(stack) == 1 else stack_rows([lin.qweight() for lin in stack])
         bias = None if stack[0].bias is None else torch.cat([lin.bias for lin in stack]).detach()
-        return QuantPack(stack[0].scheme, qw), bias
+        return QuantPack(stack[0].scheme.bound(qw, qw.codes.device), qw.shape[0]), bias
 
     (qkv, qkv_bias), (gate_up, gate_up_bias) = (stacked(s) for s in _stacks(block))
     a, m = block.self_attn, block.mlp

@@ -140,3 +140,17 @@ def test_stacked_rows_give_each_layer_its_own_output(name):
     x = _rand((7, 256), 9, scale=3.0)
     stacked = scheme.linear(x, stack_rows(qws))
     assert torch.equal(stacked, torch.cat([scheme.linear(x, qw) for qw in qws], dim=-1))
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_bound_kernel_equals_linear(name):
+    """Scheme.bound (the kernel with its choice and operands fixed once, what the engine's fused
+    blocks call) gives scheme.linear's bits, with and without bias, for 3-D inputs."""
+    from qarl.quant.scheme_base import run_rows
+
+    scheme = SCHEMES[name]
+    qw = scheme.quantize(_rand((48, 256), 11))
+    x, bias = _rand((2, 3, 256), 12, scale=2.0), _rand((48,), 13)
+    run = scheme.bound(qw, x.device)
+    for b in (None, bias):
+        assert torch.equal(run_rows(run, x, b, 48), scheme.linear(x, qw, b))

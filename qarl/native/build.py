@@ -1,4 +1,4 @@
-"""Compile kernels.c once per machine and load it with ctypes.
+"""Compile kernels.c and attention.c once per machine and load them with ctypes.
 
 The shared library is built on first use with the system C compiler (no torch headers, so it
 takes about a second) into `$QARL_HOME/kernels/qarl_cpu-<hash>.so`, the hash covering the
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loaded first: its libgomp is the one kernels.c links against)
 
-SOURCE = Path(__file__).with_name("kernels.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "attention.c")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
 DISABLE_ENV = "QARL_NATIVE"  # QARL_NATIVE=0 turns the native kernels off
 
@@ -53,7 +53,7 @@ def _cache_dir() -> Path:
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()
+        b"".join(src.read_bytes() for src in SOURCES) + " ".join(FLAGS).encode() + version.encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"qarl_cpu-{digest}.so"
     if target.exists():
@@ -63,9 +63,10 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        done = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"{cc} failed to build {SOURCE.name}:\n{done.stderr[-2000:]}")
+            raise RuntimeError(f"{cc} failed to build {[src.name for src in SOURCES]}:\n"
+                               f"{done.stderr[-2000:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

@@ -95,7 +95,7 @@ class Int8Scheme(Scheme):
         method = self.method(x.device)
         if method == "native":
             # int8_rows, the exact GEMM and (acc * s_x) * s_w, like the lines below, in one call
-            return nat.linear_s8_dynamic(x.float(), self._native(qw, x.device))
+            return self.bound(qw, x.device)(x)
         xq, xs = nm.int8_rows(x)  # [M, K] int8, [M]
         chunks = None
         if method in ("sgemm", "onednn"):

@@ -75,17 +75,19 @@ class Int4Scheme(Scheme):
     def _deq(self, qw: QWeight, device) -> Tensor:
         return self.prepared(qw, device, "dequantized", lambda: self.dequantize(qw))
 
+    def _native_run(self, packed: nat.PackedU4):
+        # rows -> the fp32 chain on act_qdq(rows) (bf16 rounding done in the kernel, same bits)
+        # and the dequantized weight, exactly
+        return lambda rows: nat.linear_u4(rows.float(), packed, round_bf16=True)
+
     def bound(self, qw: QWeight, device: torch.device):
         if self.uses_native(device):
-            packed = self._native(qw, device)
-            return lambda rows: nat.linear_u4(rows.float(), packed, round_bf16=True)
+            return self._native_run(self._native(qw, device))
         return super().bound(qw, device)
 
     def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
         if self.uses_native(x.device):
-            # = the fp32 chain on act_qdq(x) (bf16 rounding done in the kernel, same bits) and
-            # the dequantized weight, exactly
-            return nat.linear_u4(x.float(), self._native(qw, x.device), round_bf16=True)
+            return self.bound(qw, x.device)(x)
         if self.uses_kernel(x.device, qw):
             packed, sz = self.prepared(qw, x.device, "int4pack", lambda: self._pack(qw))
             return K.int4pack_mm(x.bfloat16(), packed, qw.group_size, sz)
@@ -106,17 +108,23 @@ class W4A8Scheme(Int4Scheme):
     """W4A8: the int4 group weights of w4a16-int4, int8 per-token activations."""
 
     name = "w4a8-int"
-    bound = Scheme.bound  # its _linear quantizes activations to int8 first: no shortcut
 
     def act_qdq(self, x: Tensor) -> Tensor:
         xq, xs = nm.int8_rows(x)
         return xq.float() * xs[:, None]
 
+    def _native_run(self, packed: nat.PackedU4):
+        def run(rows: Tensor) -> Tensor:
+            xq, xs = nm.int8_rows(rows)  # [M, K] int8, [M]
+            # y = (sum_k q_x w_hat) * s_x, the codes exact in fp32
+            return nat.linear_u4(xq.float(), packed) * xs[:, None]
+        return run
+
     def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
-        xq, xs = nm.int8_rows(x)  # [M, K] int8, [M]
         if self.uses_native(x.device):
-            y = nat.linear_u4(xq.float(), self._native(qw, x.device))  # codes exact in fp32
-        elif self.uses_kernel(x.device, qw):
+            return self.bound(qw, x.device)(x)
+        xq, xs = nm.int8_rows(x)  # [M, K] int8, [M]
+        if self.uses_kernel(x.device, qw):
             packed, sz = self.prepared(qw, x.device, "int4pack", lambda: self._pack(qw))
             # int8 codes are exact in bf16 (|q| <= 127), so the int4 kernel sees them unchanged
             y = K.int4pack_mm(xq.bfloat16(), packed, qw.group_size, sz)

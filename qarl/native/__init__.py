@@ -118,7 +118,7 @@ def linear_f32(x: Tensor, w: PackedF32, bias: Tensor | None = None,
     b = None if bias is None else bias.detach().float().contiguous()
     r = None if residual is None else residual.reshape(m, w.n).float().contiguous()
     _lib().qarl_linear_f32(x2.data_ptr(), m, w.k, w.k, w.data.data_ptr(), w.n, _ptr(b), _ptr(r),
-                           w.n, y.data_ptr(), w.n, torch.get_num_threads())
+                           w.n, y.data_ptr(), w.n, _threads())
     return y if x.dim() == 2 else y.view(*x.shape[:-1], w.n)
 
 
@@ -173,7 +173,7 @@ def linear_s8_dynamic(x: Tensor, w: PackedS8) -> Tensor:
     y = torch.empty(m, w.n, dtype=torch.float32)
     _lib().qarl_linear_s8_dynamic(x2.data_ptr(), m, w.k, w.k, w.data.data_ptr(),
                                   w.scales.data_ptr(), w.n, y.data_ptr(), w.n,
-                                  torch.get_num_threads())
+                                  _threads())
     return y
 
 
@@ -208,7 +208,7 @@ def linear_u4(x: Tensor, w: PackedU4, round_bf16: bool = False) -> Tensor:
     y = torch.empty(m, w.n, dtype=torch.float32)
     _lib().qarl_linear_u4(x2.data_ptr(), m, w.k, w.k, w.data.data_ptr(), w.scales.data_ptr(),
                           _ptr(w.zeros), w.group_size, w.n, int(round_bf16), y.data_ptr(), w.n,
-                          torch.get_num_threads())
+                          _threads())
     return y
 
 
@@ -232,5 +232,5 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tenso
     _lib().qarl_attend_decode(
         q.data_ptr(), B, H, Hkv, D, k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
         v.data_ptr(), v.stride(0), v.stride(1), v.stride(2), S, _ptr(m), m_sb, D ** -0.5,
-        out.data_ptr(), torch.get_num_threads())
+        out.data_ptr(), _threads())
     return out

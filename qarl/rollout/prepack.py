@@ -192,12 +192,14 @@ def _block_sources(block: Block) -> list[Tensor]:
     return sources + [bias for bias in stacked_biases if bias is not None]
 
 
+def _stacked_bias(stack: list[nn.Module]) -> Tensor | None:
+    # [sum of out] or None: the layers' biases side by side
+    return None if stack[0].bias is None else torch.cat([lin.bias for lin in stack]).detach()
+
+
 def _stacked(stack: list[nn.Linear], batch_hint: int) -> tuple[Tensor, Tensor | None]:
     # -> packed [sum of out, in], bias [sum of out] or None: the layers' outputs side by side
-    weight = _pack(torch.cat([lin.weight for lin in stack]), batch_hint)
-    if stack[0].bias is None:
-        return weight, None
-    return weight, torch.cat([lin.bias for lin in stack]).detach()
+    return _pack(torch.cat([lin.weight for lin in stack]), batch_hint), _stacked_bias(stack)
 
 
 def _quant_sources(block: Block) -> tuple:
@@ -223,8 +225,7 @@ class _Same:
 def _pack_quant_block(block: Block) -> BlockPacks:
     def stacked(stack):
         qw = stack[0].qweight() if len(stack) == 1 else stack_rows([lin.qweight() for lin in stack])
-        bias = None if stack[0].bias is None else torch.cat([lin.bias for lin in stack]).detach()
-        return QuantPack(stack[0].scheme.bound(qw, qw.codes.device), qw.shape[0]), bias
+        return QuantPack(stack[0].scheme.bound(qw, qw.codes.device), qw.shape[0]), _stacked_bias(stack)
 
     (qkv, qkv_bias), (gate_up, gate_up_bias) = (stacked(s) for s in _stacks(block))
     a, m = block.self_attn, block.mlp

@@ -28,7 +28,7 @@ NR8 = 16  # output columns per int8 panel
 __all__ = [
     "available", "why_unavailable", "PackedF32", "PackedS8", "PackedU4",
     "pack_f32", "pack_s8", "pack_u4", "linear_f32", "linear_s8", "linear_s8_dynamic",
-    "linear_u4", "quantize_rows_s8", "attend_decode",
+    "linear_u4", "quantize_rows_s8", "attend_decode", "decode_attention", "rms_norm", "silu_mul",
 ]
 
 
@@ -234,3 +234,68 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tenso
         v.data_ptr(), v.stride(0), v.stride(1), v.stride(2), S, _ptr(m), m_sb, D ** -0.5,
         out.data_ptr(), _threads())
     return out
+
+
+def decode_attention(qkv: Tensor, num_heads: int, num_kv_heads: int, cos: Tensor, sin: Tensor,
+                     k_cache: Tensor, v_cache: Tensor, slot: int, mask: Tensor | None,
+                     q_norm: Tensor | None = None, k_norm: Tensor | None = None,
+                     eps: float = 0.0) -> Tensor:
+    """A decoder layer's attention for one new token per sequence, from its q/k/v projection:
+
+    qkv [B, 1, (H + 2 Hkv) D] float32 (q heads, then k, then v) -> q and k per-head RMSNorm
+    with weights q_norm / k_norm [D] (Qwen3; None: none) -> RoPE with cos / sin [B or 1, 1, 1,
+    D] -> k, v written into k_cache / v_cache [B, Hkv, S_max, D] (this layer's cache, unit
+    stride along D) at `slot` -> [B, 1, H D]: the attention of q over slots 0..slot, keys where
+    mask [B or 1, slot + 1] (uint8, 1 = may attend) is 0 skipped (None: all).
+
+    The same math as `Attention.forward` at T = 1 with a KVCache: RoPE to the bit (two rounded
+    products and a sum, as PyTorch), the norms and the attention to fp32 rounding.
+    """
+    B, T, W = qkv.shape
+    H, Hkv = num_heads, num_kv_heads
+    D = W // (H + 2 * Hkv)
+    if (T != 1 or W != (H + 2 * Hkv) * D or D % 8 or H % Hkv or qkv.dtype != torch.float32
+            or not qkv.is_contiguous() or k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride()
+            or cos.shape[-1] != D or cos.stride(-1) != 1 or sin.stride() != cos.stride()
+            or slot >= k_cache.shape[2] or tuple(k_cache.shape[:2]) != (B, Hkv)):
+        raise ValueError(
+            f"decode_attention: qkv {tuple(qkv.shape)} {qkv.dtype} with {H} + 2 x {Hkv} heads, "
+            f"cache {tuple(k_cache.shape)} strides {k_cache.stride()}, cos {tuple(cos.shape)}, "
+            f"slot {slot}: expects one contiguous float32 token per sequence, D % 8 == 0, "
+            f"H % Hkv == 0, a [B, Hkv, S_max, D] cache with room for the slot"
+        )
+    q_buf = torch.empty(B, H, D, dtype=torch.float32)
+    out = torch.empty(B, 1, H * D, dtype=torch.float32)
+    m_sb = 0 if mask is None or mask.shape[0] == 1 else mask.stride(0)
+    _lib().qarl_decode_attention(
+        qkv.data_ptr(), B, H, Hkv, D, _ptr(q_norm), _ptr(k_norm), eps,
+        cos.data_ptr(), sin.data_ptr(), cos.stride(0) if cos.shape[0] > 1 else 0,
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), slot, _ptr(mask), m_sb, D ** -0.5, q_buf.data_ptr(), out.data_ptr(),
+        _threads())
+    return out
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """x [..., N] float32 -> RMSNorm of each row (x / sqrt(mean(x^2) + eps), times weight [N]
+    when given), as `qarl.model.decoder.RMSNorm` computes it, to fp32 rounding (its own
+    summation order): [..., N] float32."""
+    n = x.shape[-1]
+    x2 = _rows(x, torch.float32, n, "rms_norm")
+    if weight is not None and (weight.dtype != torch.float32 or weight.shape != (n,)):
+        raise ValueError(f"rms_norm: weight must be float32 [{n}], got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    y = torch.empty(x2.shape, dtype=torch.float32)
+    _lib().qarl_rms_norm(x2.data_ptr(), x2.shape[0], n, n, _ptr(weight), eps, y.data_ptr(), n,
+                         _threads())
+    return y.view(x.shape)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """gate_up [..., 2F] float32 (gate columns first) -> silu(gate) * up: [..., F] float32
+    (SwiGLU's product; silu to ~1 ulp of PyTorch's)."""
+    f = gate_up.shape[-1] // 2
+    g2 = _rows(gate_up, torch.float32, 2 * f, "silu_mul")
+    y = torch.empty(g2.shape[0], f, dtype=torch.float32)
+    _lib().qarl_silu_mul(g2.data_ptr(), g2.shape[0], f, y.data_ptr(), _threads())
+    return y.view(*gate_up.shape[:-1], f)

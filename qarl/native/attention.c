@@ -1,12 +1,10 @@
 // qarl's one-query decode attention for x86-64 with AVX2 + FMA (see README.md beside this
 // file). Built into the same library as kernels.c by build.py.
 
-#include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#define INLINE static inline __attribute__((always_inline))
+#include "simd.h"
 
 // Attention for one decode query per sequence (T = 1).
 //
@@ -15,32 +13,6 @@
 // head) is one small loop: scores q . k_s * scale over the keys the mask allows, a softmax
 // with the max subtracted, then the probability-weighted sum of values. Query head h reads
 // key/value head h / (H / Hkv), as grouped-query attention (and SDPA's enable_gqa) does.
-
-// exp(x) for x <= 0 (Cephes' single-precision range reduction and polynomial, ~1 ulp);
-// inputs below -87.3 give 0 or a subnormal, like the true value.
-INLINE __m256 exp_ps(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-INLINE float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 // Raw score of one key: q . k over D (a multiple of 8), two accumulators so that the chain of
 // fmas is half as long.
@@ -78,6 +50,36 @@ INLINE void weighted_values(const float* p, int64_t S, const float* v, int64_t v
     for (int j = 0; j < nb; j++) _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(res[j], sc));
 }
 
+// oh[D] = attention of one query qh[D] over the S keys kh / values vh (slot strides k_ss,
+// v_ss; unit stride along D, D a multiple of 8), keys where mb[s] == 0 skipped (mb NULL: all);
+// p: scratch of S rounded up to 8 floats.
+INLINE void attend_one(const float* qh, const float* kh, int64_t k_ss, const float* vh,
+                       int64_t v_ss, const uint8_t* mb, int64_t S, int64_t D, float scale,
+                       float* p, float* oh) {
+    int64_t S8 = (S + 7) / 8 * 8;
+    float best = -INFINITY;
+    for (int64_t s = 0; s < S; s++) {
+        p[s] = (mb && !mb[s]) ? -INFINITY : dot_qk(qh, kh + s * k_ss, D) * scale;
+        best = p[s] > best ? p[s] : best;
+    }
+    for (int64_t s = S; s < S8; s++) p[s] = -INFINITY;
+    // p = exp(score - max), exactly 0 for masked slots; their sum
+    __m256 vbest = _mm256_set1_ps(best), vsum = _mm256_setzero_ps();
+    __m256 ninf = _mm256_set1_ps(-INFINITY);
+    for (int64_t s = 0; s < S8; s += 8) {
+        __m256 sc = _mm256_loadu_ps(p + s);
+        __m256 keep = _mm256_cmp_ps(sc, ninf, _CMP_NEQ_OQ);
+        __m256 e = _mm256_and_ps(exp_ps(_mm256_sub_ps(sc, vbest)), keep);
+        _mm256_storeu_ps(p + s, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float inv = 1.f / hsum(vsum);
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        int nb = (int)((D - d0) / 8 < 8 ? (D - d0) / 8 : 8);
+        weighted_values(p, S, vh + d0, v_ss, nb, inv, oh + d0);
+    }
+}
+
 // out [B, H, D] = attention of q [B, H, D] (contiguous) over keys/values k, v (element strides
 // per sequence, head and slot; unit stride along D, D a multiple of 8) of S slots; mask [B', S]
 // bytes (1 = may attend; B' = B, or 1 with mask_sb = 0) or NULL for all.
@@ -93,32 +95,68 @@ void qarl_attend_decode(const float* q, int64_t B, int64_t H, int64_t Hkv, int64
 #pragma omp for collapse(2) schedule(static)
         for (int64_t b = 0; b < B; b++) {
             for (int64_t h = 0; h < H; h++) {
-                const float* qh = q + (b * H + h) * D;
-                const float* kh = k + b * k_sb + (h / group) * k_sh;
-                const float* vh = v + b * v_sb + (h / group) * v_sh;
-                const uint8_t* mb = mask ? mask + b * mask_sb : 0;
-                float best = -INFINITY;
-                for (int64_t s = 0; s < S; s++) {
-                    p[s] = (mb && !mb[s]) ? -INFINITY : dot_qk(qh, kh + s * k_ss, D) * scale;
-                    best = p[s] > best ? p[s] : best;
+                attend_one(q + (b * H + h) * D, k + b * k_sb + (h / group) * k_sh, k_ss,
+                           v + b * v_sb + (h / group) * v_sh, v_ss,
+                           mask ? mask + b * mask_sb : 0, S, D, scale, p, out + (b * H + h) * D);
+            }
+        }
+        free(p);
+    }
+}
+
+// x[D] -> RoPE-rotated into out[D] (HF's non-interleaved "rotate_half" layout):
+// out[d] = x[d] cos[d] + (-x[d + D/2]) sin[d] for d < D/2, x[d] cos[d] + x[d - D/2] sin[d]
+// after. Two products and a sum, each rounded (built with -ffp-contract=off): the same bits as
+// `x * cos + rotate_half(x) * sin` in PyTorch.
+INLINE void rope_row(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
+    int64_t half = D / 2;
+    for (int64_t d = 0; d < half; d++) out[d] = x[d] * cos[d] + (-x[d + half]) * sin[d];
+    for (int64_t d = half; d < D; d++) out[d] = x[d] * cos[d] + x[d - half] * sin[d];
+}
+
+// One decoder layer's attention for one new token per sequence, after the q/k/v projection:
+//   qkv [B, (H + 2 Hkv) D] (contiguous: q heads, k heads, v heads) ->
+//   q, k per-head RMSNorm (Qwen3; qn_w / kn_w NULL: none) -> RoPE (cos / sin rows [D] at
+//   stride cs_sb per sequence, 0 to share one row) -> k, v written into the cache at `slot`
+//   (kc / vc: this layer's cache, strides per sequence, head and slot) -> out [B, H D], the
+//   attention of q over cache slots 0..slot, keys where mask [B', slot + 1] is 0 skipped.
+void qarl_decode_attention(const float* qkv, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                           const float* qn_w, const float* kn_w, float eps,
+                           const float* cos, const float* sin, int64_t cs_sb,
+                           float* kc, float* vc, int64_t c_sb, int64_t c_sh, int64_t c_ss,
+                           int64_t slot, const uint8_t* mask, int64_t mask_sb, float scale,
+                           float* q_buf, float* out, int nthreads) {
+    int64_t group = H / Hkv, S = slot + 1, S8 = (S + 7) / 8 * 8, W = (H + 2 * Hkv) * D;
+#pragma omp parallel num_threads(nthreads) if (B * S * H * D > 16384)
+    {
+        float* p = (float*)malloc(sizeof(float) * (size_t)(S8 > D ? S8 : D));
+        // q heads into q_buf [B, H, D]; k and v heads into the cache
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+            for (int64_t j = 0; j < H + 2 * Hkv; j++) {
+                const float* src = qkv + b * W + j * D;
+                const float *c = cos + b * cs_sb, *s = sin + b * cs_sb;
+                if (j < H) {
+                    const float* x = src;
+                    if (qn_w) { rms_norm_row(src, D, qn_w, eps, p); x = p; }
+                    rope_row(x, c, s, D, q_buf + (b * H + j) * D);
+                } else if (j < H + Hkv) {
+                    const float* x = src;
+                    if (kn_w) { rms_norm_row(src, D, kn_w, eps, p); x = p; }
+                    rope_row(x, c, s, D, kc + b * c_sb + (j - H) * c_sh + slot * c_ss);
+                } else {
+                    float* dst = vc + b * c_sb + (j - H - Hkv) * c_sh + slot * c_ss;
+                    for (int64_t d = 0; d < D; d++) dst[d] = src[d];
                 }
-                for (int64_t s = S; s < S8; s++) p[s] = -INFINITY;
-                // p = exp(score - max), exactly 0 for masked slots; their sum
-                __m256 vbest = _mm256_set1_ps(best), vsum = _mm256_setzero_ps();
-                __m256 ninf = _mm256_set1_ps(-INFINITY);
-                for (int64_t s = 0; s < S8; s += 8) {
-                    __m256 sc = _mm256_loadu_ps(p + s);
-                    __m256 keep = _mm256_cmp_ps(sc, ninf, _CMP_NEQ_OQ);
-                    __m256 e = _mm256_and_ps(exp_ps(_mm256_sub_ps(sc, vbest)), keep);
-                    _mm256_storeu_ps(p + s, e);
-                    vsum = _mm256_add_ps(vsum, e);
-                }
-                float inv = 1.f / hsum(vsum);
-                float* oh = out + (b * H + h) * D;
-                for (int64_t d0 = 0; d0 < D; d0 += 64) {
-                    int nb = (int)((D - d0) / 8 < 8 ? (D - d0) / 8 : 8);
-                    weighted_values(p, S, vh + d0, v_ss, nb, inv, oh + d0);
-                }
+            }
+        }
+        // (the implicit barrier: every k / v of this step is in the cache)
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+            for (int64_t h = 0; h < H; h++) {
+                attend_one(q_buf + (b * H + h) * D, kc + b * c_sb + (h / group) * c_sh, c_ss,
+                           vc + b * c_sb + (h / group) * c_sh, c_ss,
+                           mask ? mask + b * mask_sb : 0, S, D, scale, p, out + (b * H + h) * D);
             }
         }
         free(p);

@@ -1,4 +1,4 @@
-"""Compile kernels.c and attention.c once per machine and load them with ctypes.
+"""Compile kernels.c, attention.c and decode.c once per machine and load them with ctypes.
 
 The shared library is built on first use with the system C compiler (no torch headers, so it
 takes about a second) into `$QARL_HOME/kernels/qarl_cpu-<hash>.so`, the hash covering the
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loaded first: its libgomp is the one kernels.c links against)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "attention.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "attention.c", "decode.c")]
+HEADERS = [Path(__file__).with_name("simd.h")]  # included by the sources: part of the hash
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
 DISABLE_ENV = "QARL_NATIVE"  # QARL_NATIVE=0 turns the native kernels off
 
@@ -53,7 +54,7 @@ def _cache_dir() -> Path:
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256(
-        b"".join(src.read_bytes() for src in SOURCES) + " ".join(FLAGS).encode() + version.encode()
+        b"".join(src.read_bytes() for src in SOURCES + HEADERS) + " ".join(FLAGS).encode() + version.encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"qarl_cpu-{digest}.so"
     if target.exists():
@@ -63,7 +64,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
+        done = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-lm", "-o", tmp], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed to build {[src.name for src in SOURCES]}:\n"
                                f"{done.stderr[-2000:]}")
@@ -80,7 +81,7 @@ def _build(cc: str) -> Path:
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     signatures = {
         "qarl_pack_f32": [p, i64, i64, i64, p, i32],
         "qarl_linear_f32": [p, i64, i64, i64, p, i64, p, p, i64, p, i64, i32],
@@ -90,8 +91,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "qarl_linear_s8_dynamic": [p, i64, i64, i64, p, p, i64, p, i64, i32],
         "qarl_pack_u4": [p, i64, i64, i64, p, i32],
         "qarl_attend_decode": [p, i64, i64, i64, i64, p, i64, i64, i64, p, i64, i64, i64, i64,
-                               p, i64, ctypes.c_float, p, i32],
+                               p, i64, f32, p, i32],
         "qarl_linear_u4": [p, i64, i64, i64, p, p, p, i64, i64, i32, p, i64, i32],
+        "qarl_decode_attention": [p, i64, i64, i64, i64, p, p, f32, p, p, i64, p, p, i64, i64,
+                                  i64, i64, p, i64, f32, p, p, i32],
+        "qarl_rms_norm": [p, i64, i64, i64, p, f32, p, i64, i32],
+        "qarl_silu_mul": [p, i64, i64, p, i32],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)

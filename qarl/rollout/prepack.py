@@ -243,10 +243,59 @@ def _pack_block(block: Block, batch_hint: int) -> BlockPacks:
 
 
 def _rms_norm(norm: nn.Module, x: Tensor) -> Tensor:
-    # RMSNorm.forward in one op for fp32 (the same bits: tested through the fused block)
-    if type(norm) is not RMSNorm or x.dtype != torch.float32:
+    # RMSNorm.forward in one call for fp32: qarl.native's (F.rms_norm dispatches ~10 ops: ~30 us
+    # for one 576-wide row), else F.rms_norm (the same bits as RMSNorm.forward)
+    if type(norm) is not RMSNorm or x.dtype != torch.float32 or norm.weight.dtype != torch.float32:
         return norm(x)
+    if native.available():
+        return native.rms_norm(x, norm.weight.detach(), norm.eps)
     return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
+
+
+def _swiglu(gate_up: Tensor) -> Tensor:
+    # [..., 2 ffn] -> silu(gate) * up: [..., ffn]
+    if native.available() and gate_up.dtype == torch.float32:
+        return native.silu_mul(gate_up)
+    ffn = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :ffn]) * gate_up[..., ffn:]
+
+
+class _MaskBytes:
+    """The attention mask of the current decode step as [B or 1, S] uint8 for the native
+    attention, converted once per step (every layer gets the same mask object) instead of
+    once per layer. Holds the mask it converted, so its identity cannot be reused."""
+
+    def __init__(self):
+        self.mask, self.bytes = None, None
+
+    def __call__(self, mask: Tensor | None) -> Tensor | None:
+        if mask is None:
+            return None
+        if mask is not self.mask:
+            self.mask = mask
+            self.bytes = mask.reshape(mask.shape[0], mask.shape[-1]).to(torch.uint8).contiguous()
+        return self.bytes
+
+
+_mask_bytes = _MaskBytes()
+
+
+def _native_decode_ok(attn: Attention, x: Tensor, cache) -> bool:
+    # one fp32 token per sequence into a KV cache, head size a multiple of 8: decode_attention
+    return (x.shape[1] == 1 and cache is not None and x.dtype == torch.float32
+            and cache.k.dtype == torch.float32 and attn.head_dim % 8 == 0 and native.available())
+
+
+def _attention_decode(attn: Attention, qkv: Tensor, cos, sin, mask, cache, layer: int,
+                      slot: int) -> Tensor:
+    # qkv [B, 1, (H + 2 Hkv) D] -> [B, 1, H D]: norms, RoPE, cache write and attention in one call
+    q_norm = k_norm = None
+    eps = 0.0
+    if attn.q_norm is not None:
+        q_norm, k_norm, eps = attn.q_norm.weight.detach(), attn.k_norm.weight.detach(), attn.q_norm.eps
+    return native.decode_attention(
+        qkv, attn.num_heads, attn.num_kv_heads, cos, sin, cache.k[layer], cache.v[layer], slot,
+        _mask_bytes(mask), q_norm, k_norm, eps)
 
 
 def fused_block_forward(
@@ -254,10 +303,25 @@ def fused_block_forward(
 ) -> Tensor:
     """`Block.forward` (same arguments, same math) on packed, fused weights. x: [B, T, d]."""
     attn, mlp = block.self_attn, block.mlp
-    B, T, _ = x.shape
-    H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
     h = _rms_norm(block.input_layernorm, x)
     qkv = _linear(h, packs.qkv, packs.qkv_bias)  # [B, T, (H + 2 Hkv) D]
+    if _native_decode_ok(attn, x, cache):
+        out = _attention_decode(attn, qkv, cos, sin, mask, cache, layer, cache_start)  # [B, 1, H D]
+    else:
+        out = _attention(attn, qkv, cos, sin, mask, cache, layer, cache_start)
+    # x + o_proj(attention), the residual add fused into the GEMM
+    x = _linear_add(out, x, packs.o, attn.o_proj.bias)
+    h = _rms_norm(block.post_attention_layernorm, x)
+    gate_up = _linear(h, packs.gate_up, packs.gate_up_bias)  # [B, T, 2 ffn]
+    # SwiGLU: x + down(silu(gate(h)) * up(h)), the residual add fused into the GEMM
+    return _linear_add(_swiglu(gate_up), x, packs.down, mlp.down_proj.bias)
+
+
+def _attention(attn: Attention, qkv: Tensor, cos, sin, mask, cache, layer: int,
+               cache_start: int) -> Tensor:
+    # qkv [B, T, (H + 2 Hkv) D] -> attention output [B, T, H D] (PyTorch ops, SDPA)
+    B, T, _ = qkv.shape
+    H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
     qk = qkv[..., : (H + Hkv) * D].unflatten(-1, (H + Hkv, D))  # [B, T, H + Hkv, D]
     if attn.q_norm is not None:
         # Qwen3 per-head RMSNorm of q and k in one pass, then each scaled by its own weight
@@ -269,20 +333,10 @@ def fused_block_forward(
     v = qkv[..., (H + Hkv) * D :].unflatten(-1, (Hkv, D)).transpose(1, 2)  # [B, Hkv, T, D]
     if cache is not None:
         k, v = cache.update(layer, k, v, cache_start)  # [B, Hkv, S, D]
-    if T == 1 and q.dtype == torch.float32 and D % 8 == 0 and native.available():
-        out = native.attend_decode(q, k, v, mask)  # [B, H, 1, D]: one query, no SDPA setup
-    else:
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=H != Hkv,
-        )
-    # x + o_proj(attention), the residual add fused into the GEMM
-    x = _linear_add(out.transpose(1, 2).reshape(B, T, H * D), x, packs.o, attn.o_proj.bias)
-    h = _rms_norm(block.post_attention_layernorm, x)
-    gate_up = _linear(h, packs.gate_up, packs.gate_up_bias)  # [B, T, 2 ffn]
-    ffn = gate_up.shape[-1] // 2
-    # SwiGLU: x + down(silu(gate(h)) * up(h)), the residual add fused into the GEMM
-    hidden = F.silu(gate_up[..., :ffn]) * gate_up[..., ffn:]  # [B, T, ffn]
-    return _linear_add(hidden, x, packs.down, mlp.down_proj.bias)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=H != Hkv,
+    )
+    return out.transpose(1, 2).reshape(B, T, H * D)
 
 
 class LinearPrepacker:

@@ -204,3 +204,87 @@ def test_decode_attention_matches_sdpa(heads):
     poisoned[:, :, 0] = float("nan")  # a masked slot's value must not leak in
     mask[..., 0] = False
     assert not nat.attend_decode(q, k, poisoned, mask).isnan().any()
+
+
+def _attention_reference(qkv, H, Hkv, cos, sin, cache_k, cache_v, slot, mask, q_w, k_w, eps):
+    # Attention.forward's math at T = 1 in PyTorch ops: norms, RoPE, cache write, SDPA
+    import torch.nn.functional as F
+
+    from qarl.model.decoder import apply_rope
+
+    B, _, W = qkv.shape
+    D = W // (H + 2 * Hkv)
+    q, k, v = qkv.view(B, 1, H + 2 * Hkv, D).transpose(1, 2).split([H, Hkv, Hkv], dim=1)
+    if q_w is not None:
+        q = F.rms_norm(q, (D,), eps=eps) * q_w
+        k = F.rms_norm(k, (D,), eps=eps) * k_w
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    cache_k[:, :, slot:slot + 1], cache_v[:, :, slot:slot + 1] = k, v
+    m = None if mask is None else mask.bool()[:, None, None, :]
+    out = F.scaled_dot_product_attention(q, cache_k[:, :, :slot + 1], cache_v[:, :, :slot + 1],
+                                         attn_mask=m, enable_gqa=H != Hkv)
+    return out.transpose(1, 2).reshape(B, 1, H * D), k
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_decode_attention_step_matches_pytorch(heads, qk_norm):
+    """decode_attention (q/k norm, RoPE, cache write and attention of one new token, one call)
+    equals the PyTorch ops it replaces: the rotated keys written into the cache bit for bit
+    (RoPE is two rounded products and a sum in both; without a q/k norm), the values copied
+    exactly, the output within 2e-6 (own softmax and summation order); other cache slots are
+    untouched; a masked key gets no weight."""
+    H, Hkv = heads
+    g = torch.Generator().manual_seed(H + qk_norm)
+    B, S_max = 3, 24
+    for D, slot in ((64, 0), (64, 17), (32, 9), (128, 23)):
+        qkv = torch.randn(B, 1, (H + 2 * Hkv) * D, generator=g)
+        angles = torch.rand(B, 1, 1, D // 2, generator=g) * 30
+        cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+        q_w, k_w = (torch.randn(D, generator=g), torch.randn(D, generator=g)) if qk_norm else (None, None)
+        mask = (torch.rand(B, slot + 1, generator=g) > 0.3).to(torch.uint8)
+        mask[:, -1] = 1
+        for m, cs in ((mask, (cos, sin)), (None, (cos[:1], sin[:1]))):
+            ck, cv = torch.randn(2, B, Hkv, S_max, D, generator=g).unbind(0)
+            rk, rv = ck.clone(), cv.clone()
+            c, s = cs
+            ref, ref_k = _attention_reference(qkv, H, Hkv, c, s, rk, rv, slot, m, q_w, k_w, 1e-6)
+            out = nat.decode_attention(qkv, H, Hkv, c, s, ck, cv, slot, m, q_w, k_w, 1e-6)
+            assert (out - ref).abs().max() < 2e-6, (D, slot)
+            assert torch.equal(cv, rv)  # the value written at slot, every other slot untouched
+            if qk_norm:  # the key went through a norm with its own summation order
+                torch.testing.assert_close(ck, rk, atol=2e-6, rtol=0)
+            else:
+                assert torch.equal(ck, rk)
+    poisoned = torch.randn(2, B, Hkv, S_max, D, generator=g)
+    poisoned[1, :, :, 0] = float("nan")  # a masked slot's value must not leak in
+    mask[:, 0] = 0
+    out = nat.decode_attention(qkv, H, Hkv, cos, sin, poisoned[0], poisoned[1], slot, mask, q_w, k_w)
+    assert not out.isnan().any()
+    with pytest.raises(ValueError, match="room for the slot"):
+        nat.decode_attention(qkv, H, Hkv, cos, sin, poisoned[0], poisoned[1], S_max, None)
+
+
+def test_rms_norm_and_silu_mul_match_pytorch_and_are_row_exact():
+    """rms_norm equals qarl's RMSNorm and silu_mul equals F.silu(gate) * up to a few ulp
+    (their own summation order and exp), with or without a weight, on widths that are and are
+    not multiples of the vector width; each row's bits do not depend on the other rows."""
+    import torch.nn.functional as F
+
+    from qarl.model.decoder import RMSNorm
+
+    for n in (576, 64, 77, 3):
+        x = _rand((9, 1, n), n, scale=3.0)
+        norm = RMSNorm(n, 1e-6)
+        norm.weight.data = _rand((n,), n + 1)
+        with torch.no_grad():
+            torch.testing.assert_close(nat.rms_norm(x, norm.weight, 1e-6), norm(x), atol=1e-5, rtol=1e-6)
+        plain = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        torch.testing.assert_close(nat.rms_norm(x, None, 1e-6), plain, atol=1e-6, rtol=1e-6)
+        _rows_alone_equal(lambda r: nat.rms_norm(r, norm.weight, 1e-6), x[:, 0], nat.rms_norm(x[:, 0], norm.weight, 1e-6))
+
+        gate_up = _rand((9, 1, 2 * n), n + 2, scale=6.0)
+        gate_up[0, 0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # exp over- and underflow
+        ref = F.silu(gate_up[..., :n]) * gate_up[..., n:]
+        torch.testing.assert_close(nat.silu_mul(gate_up), ref, atol=1e-5, rtol=1e-6)
+        _rows_alone_equal(nat.silu_mul, gate_up[:, 0], nat.silu_mul(gate_up[:, 0]))

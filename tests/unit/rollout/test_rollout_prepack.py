@@ -154,9 +154,8 @@ def test_only_plain_fp32_linears_are_packed_and_partly_custom_blocks_are_not_fus
 def test_quantized_blocks_fuse_exactly_and_score_exactly(make_model, family, scheme):
     """Kernel-mode quantized blocks run fused (q/k/v and gate/up as one quantized GEMM each on
     row-stacked QWeights) and the plain lm_head packed; the fused forward equals the model's
-    own per-layer forward bit for bit where the block has no q/k norm (llama, qwen2: the
-    stacked GEMM is row-exact), within fp32 rounding with it (qwen3: one fused RMSNorm call);
-    and score on a second engine reproduces generate exactly."""
+    own per-layer forward to fp32 rounding, and score on a second engine reproduces generate
+    exactly."""
     from qarl.quant import quantize_model
 
     model = quantize_model(make_model(family=family), scheme, mode="kernel", group_size=32,
@@ -168,10 +167,9 @@ def test_quantized_blocks_fuse_exactly_and_score_exactly(make_model, family, sch
         with LinearPrepacker().applied(model, batch_hint=2):
             assert set(patched(model)) == {*model.model.layers, model.lm_head}
             fused = model(ids)
-    if family == "qwen3":
-        torch.testing.assert_close(fused, plain, atol=1e-4, rtol=0)
-    else:
-        assert torch.equal(fused, plain)
+    # the quantized GEMMs are row-exact (test_kernels.py); what differs is the summation order
+    # of the native RMSNorm and silu (a few ulp); a flipped activation code would cost ~1e-2
+    torch.testing.assert_close(fused, plain, atol=1e-5, rtol=0)
     sampling = SamplingParams(max_new_tokens=8)
     batch = LocalEngine(model, eos_token_ids=()).generate(PROMPTS, sampling, seed=1)
     scored = LocalEngine(model, eos_token_ids=()).score(batch, sampling)

@@ -15,6 +15,7 @@ Tensors must be on the CPU; x is made contiguous. See README.md for the measured
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ __all__ = [
     "available", "why_unavailable", "PackedF32", "PackedS8", "PackedU4",
     "pack_f32", "pack_s8", "pack_u4", "linear_f32", "linear_s8", "linear_s8_dynamic",
     "linear_u4", "quantize_rows_s8", "attend_decode", "decode_attention", "rms_norm", "silu_mul",
+    "BlockGemm", "DecodeBlock",
 ]
 
 
@@ -299,3 +301,106 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     y = torch.empty(g2.shape[0], f, dtype=torch.float32)
     _lib().qarl_silu_mul(g2.data_ptr(), g2.shape[0], f, y.data_ptr(), _threads())
     return y.view(*gate_up.shape[:-1], f)
+
+
+GEMM_KINDS = {"f32": 0, "s8": 1, "u4-bf16": 2, "u4-s8": 3}  # decode.c's GEMM_*
+
+
+@dataclass(frozen=True)
+class BlockGemm:
+    """One projection of a `DecodeBlock`: kind "f32" (PackedF32), "s8" (PackedS8: W8A8, rows
+    quantized per token as `linear_s8_dynamic`), "u4-bf16" (PackedU4 on bf16-rounded rows:
+    W4A16, as `linear_u4(x, w, round_bf16=True)`) or "u4-s8" (PackedU4 on the int8 codes of
+    the rows times their scales: W4A8); bias [n] or None, added after."""
+
+    kind: str
+    packed: PackedF32 | PackedS8 | PackedU4
+    bias: Tensor | None = None
+
+
+class _Gemm(ctypes.Structure):  # decode.c's qarl_gemm
+    _fields_ = [("kind", ctypes.c_int32), ("group", ctypes.c_int32), ("n", ctypes.c_int64),
+                ("k", ctypes.c_int64), ("w", ctypes.c_void_p), ("s", ctypes.c_void_p),
+                ("z", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class _Block(ctypes.Structure):  # decode.c's qarl_block
+    _fields_ = [("qkv", _Gemm), ("o", _Gemm), ("gate_up", _Gemm), ("down", _Gemm),
+                ("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p), ("qn", ctypes.c_void_p),
+                ("kn", ctypes.c_void_p), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
+                ("qk_eps", ctypes.c_float), ("scale", ctypes.c_float), ("H", ctypes.c_int64),
+                ("Hkv", ctypes.c_int64), ("D", ctypes.c_int64), ("d", ctypes.c_int64),
+                ("ffn", ctypes.c_int64)]
+
+
+def _f32_vector(t: Tensor | None, n: int, what: str) -> Tensor | None:
+    if t is None:
+        return None
+    if t.shape != (n,):
+        raise ValueError(f"DecodeBlock: {what} must have shape [{n}], got {tuple(t.shape)}")
+    return t.detach().float().contiguous()
+
+
+class DecodeBlock:
+    """A decoder block (pre-norm attention with q/k/v stacked, SwiGLU MLP with gate/up stacked)
+    run for one new token per sequence in ONE call, `qarl_decode_block`: every thread enters
+    once and the steps meet at barriers, instead of eight calls (two RMSNorms, four GEMMs,
+    `decode_attention`, `silu_mul`) each paying its Python wrapper, ctypes and the start of a
+    parallel region. Each step is the function the separate calls run, so the result equals
+    them bit for bit. Holds (copies of) the vectors it points to; the packed weights are the
+    caller's and must stay unchanged while it is used."""
+
+    def __init__(self, qkv: BlockGemm, o: BlockGemm, gate_up: BlockGemm, down: BlockGemm,
+                 input_norm: Tensor, post_norm: Tensor, eps: tuple[float, float],
+                 num_heads: int, num_kv_heads: int, head_dim: int,
+                 q_norm: Tensor | None = None, k_norm: Tensor | None = None, qk_eps: float = 0.0):
+        H, Hkv, D = num_heads, num_kv_heads, head_dim
+        d, ffn = o.packed.n, down.packed.k
+        shapes = {"qkv": (qkv, (H + 2 * Hkv) * D, d), "o": (o, d, H * D),
+                  "gate_up": (gate_up, 2 * ffn, d), "down": (down, d, ffn)}
+        for name, (g, n, k) in shapes.items():
+            if g.kind not in GEMM_KINDS or (g.packed.n, g.packed.k) != (n, k):
+                raise ValueError(f"DecodeBlock: {name} must be a {n} x {k} projection of a kind in "
+                                 f"{sorted(GEMM_KINDS)}, got {g.kind} {g.packed.n} x {g.packed.k}")
+        if D % 8 or H % Hkv or (q_norm is None) != (k_norm is None):
+            raise ValueError(f"DecodeBlock: head_dim {D} must be a multiple of 8, {H} heads a multiple "
+                             f"of {Hkv} key/value heads, q_norm and k_norm both given or neither")
+        keep = [_f32_vector(input_norm, d, "input_norm"), _f32_vector(post_norm, d, "post_norm"),
+                _f32_vector(q_norm, D, "q_norm"), _f32_vector(k_norm, D, "k_norm")]
+        gemms = []
+        for name, (g, n, _) in shapes.items():
+            bias = _f32_vector(g.bias, n, f"{name} bias")
+            keep.append(bias)
+            w = g.packed
+            scales, zeros = getattr(w, "scales", None), getattr(w, "zeros", None)
+            gemms.append(_Gemm(GEMM_KINDS[g.kind], getattr(w, "group_size", 0), n, w.k,
+                               w.data.data_ptr(), _ptr(scales), _ptr(zeros), _ptr(bias)))
+        self._keep = keep  # the vectors the struct points to
+        self.gemms = (qkv, o, gate_up, down)
+        self.num_heads, self.num_kv_heads, self.head_dim, self.hidden = H, Hkv, D, d
+        self._struct = _Block(*gemms, *(_ptr(t) for t in keep[:4]), eps[0], eps[1], qk_eps,
+                              D ** -0.5, H, Hkv, D, d, ffn)
+        self._ref = ctypes.byref(self._struct)
+
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                 slot: int, mask: Tensor | None) -> Tensor:
+        """x [B, 1, d] float32 -> the block's output [B, 1, d]; cos / sin, caches, slot and mask
+        as `decode_attention` (the new k, v are written into the caches at `slot`)."""
+        B, d = x.shape[0], self.hidden
+        if (x.dtype != torch.float32 or x.shape != (B, 1, d) or k_cache.stride(-1) != 1
+                or v_cache.stride() != k_cache.stride() or cos.stride(-1) != 1
+                or sin.stride() != cos.stride() or slot >= k_cache.shape[2]
+                or tuple(k_cache.shape[:2]) != (B, self.num_kv_heads)):
+            raise ValueError(
+                f"DecodeBlock: x {tuple(x.shape)} {x.dtype}, cache {tuple(k_cache.shape)} strides "
+                f"{k_cache.stride()}, slot {slot}: expects float32 [B, 1, {d}] and a [B, "
+                f"{self.num_kv_heads}, S_max, {self.head_dim}] cache with room for the slot"
+            )
+        out = x.contiguous().clone()
+        m_sb = 0 if mask is None or mask.shape[0] == 1 else mask.stride(0)
+        _lib().qarl_decode_block(
+            self._ref, out.data_ptr(), B, cos.data_ptr(), sin.data_ptr(),
+            cos.stride(0) if cos.shape[0] > 1 else 0, k_cache.data_ptr(), v_cache.data_ptr(),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), slot, _ptr(mask), m_sb,
+            _threads())
+        return out

@@ -4,6 +4,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 // Attention for one decode query per sequence (T = 1).
@@ -114,6 +115,43 @@ INLINE void rope_row(const float* x, const float* cos, const float* sin, int64_t
     for (int64_t d = half; d < D; d++) out[d] = x[d] * cos[d] + x[d - half] * sin[d];
 }
 
+void qarl_attention_step(const float* qkv, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                         const float* qn_w, const float* kn_w, float eps, const float* cos,
+                         const float* sin, int64_t cs_sb, float* kc, float* vc, int64_t c_sb,
+                         int64_t c_sh, int64_t c_ss, int64_t slot, const uint8_t* mask,
+                         int64_t mask_sb, float scale, float* q_buf, float* out, float* p) {
+    int64_t group = H / Hkv, S = slot + 1, W = (H + 2 * Hkv) * D;
+    // q heads into q_buf [B, H, D]; k and v heads into the cache
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t j = 0; j < H + 2 * Hkv; j++) {
+            const float* src = qkv + b * W + j * D;
+            const float *c = cos + b * cs_sb, *s = sin + b * cs_sb;
+            if (j < H) {
+                const float* x = src;
+                if (qn_w) { rms_norm_row(src, D, qn_w, eps, p); x = p; }
+                rope_row(x, c, s, D, q_buf + (b * H + j) * D);
+            } else if (j < H + Hkv) {
+                const float* x = src;
+                if (kn_w) { rms_norm_row(src, D, kn_w, eps, p); x = p; }
+                rope_row(x, c, s, D, kc + b * c_sb + (j - H) * c_sh + slot * c_ss);
+            } else {
+                float* dst = vc + b * c_sb + (j - H - Hkv) * c_sh + slot * c_ss;
+                for (int64_t d = 0; d < D; d++) dst[d] = src[d];
+            }
+        }
+    }
+    // (the implicit barrier: every k / v of this step is in the cache)
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t h = 0; h < H; h++) {
+            attend_one(q_buf + (b * H + h) * D, kc + b * c_sb + (h / group) * c_sh, c_ss,
+                       vc + b * c_sb + (h / group) * c_sh, c_ss,
+                       mask ? mask + b * mask_sb : 0, S, D, scale, p, out + (b * H + h) * D);
+        }
+    }
+}
+
 // One decoder layer's attention for one new token per sequence, after the q/k/v projection:
 //   qkv [B, (H + 2 Hkv) D] (contiguous: q heads, k heads, v heads) ->
 //   q, k per-head RMSNorm (Qwen3; qn_w / kn_w NULL: none) -> RoPE (cos / sin rows [D] at
@@ -126,39 +164,12 @@ void qarl_decode_attention(const float* qkv, int64_t B, int64_t H, int64_t Hkv, 
                            float* kc, float* vc, int64_t c_sb, int64_t c_sh, int64_t c_ss,
                            int64_t slot, const uint8_t* mask, int64_t mask_sb, float scale,
                            float* q_buf, float* out, int nthreads) {
-    int64_t group = H / Hkv, S = slot + 1, S8 = (S + 7) / 8 * 8, W = (H + 2 * Hkv) * D;
-#pragma omp parallel num_threads(nthreads) if (B * S * H * D > 16384)
+    int64_t S8 = (slot + 1 + 7) / 8 * 8;
+#pragma omp parallel num_threads(nthreads) if (B * (slot + 1) * H * D > 16384)
     {
         float* p = (float*)malloc(sizeof(float) * (size_t)(S8 > D ? S8 : D));
-        // q heads into q_buf [B, H, D]; k and v heads into the cache
-#pragma omp for collapse(2) schedule(static)
-        for (int64_t b = 0; b < B; b++) {
-            for (int64_t j = 0; j < H + 2 * Hkv; j++) {
-                const float* src = qkv + b * W + j * D;
-                const float *c = cos + b * cs_sb, *s = sin + b * cs_sb;
-                if (j < H) {
-                    const float* x = src;
-                    if (qn_w) { rms_norm_row(src, D, qn_w, eps, p); x = p; }
-                    rope_row(x, c, s, D, q_buf + (b * H + j) * D);
-                } else if (j < H + Hkv) {
-                    const float* x = src;
-                    if (kn_w) { rms_norm_row(src, D, kn_w, eps, p); x = p; }
-                    rope_row(x, c, s, D, kc + b * c_sb + (j - H) * c_sh + slot * c_ss);
-                } else {
-                    float* dst = vc + b * c_sb + (j - H - Hkv) * c_sh + slot * c_ss;
-                    for (int64_t d = 0; d < D; d++) dst[d] = src[d];
-                }
-            }
-        }
-        // (the implicit barrier: every k / v of this step is in the cache)
-#pragma omp for collapse(2) schedule(static)
-        for (int64_t b = 0; b < B; b++) {
-            for (int64_t h = 0; h < H; h++) {
-                attend_one(q_buf + (b * H + h) * D, kc + b * c_sb + (h / group) * c_sh, c_ss,
-                           vc + b * c_sb + (h / group) * c_sh, c_ss,
-                           mask ? mask + b * mask_sb : 0, S, D, scale, p, out + (b * H + h) * D);
-            }
-        }
+        qarl_attention_step(qkv, B, H, Hkv, D, qn_w, kn_w, eps, cos, sin, cs_sb, kc, vc, c_sb,
+                            c_sh, c_ss, slot, mask, mask_sb, scale, q_buf, out, p);
         free(p);
     }
 }

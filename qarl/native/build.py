@@ -23,7 +23,7 @@ from pathlib import Path
 import torch  # noqa: F401  (loaded first: its libgomp is the one kernels.c links against)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "attention.c", "decode.c")]
-HEADERS = [Path(__file__).with_name("simd.h")]  # included by the sources: part of the hash
+HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "kernels.h")]  # included by the sources: part of the hash
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
 DISABLE_ENV = "QARL_NATIVE"  # QARL_NATIVE=0 turns the native kernels off
 
@@ -97,6 +97,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                   i64, i64, p, i64, f32, p, p, i32],
         "qarl_rms_norm": [p, i64, i64, i64, p, f32, p, i64, i32],
         "qarl_silu_mul": [p, i64, i64, p, i32],
+        "qarl_decode_block": [p, p, i64, p, p, i64, p, p, i64, i64, i64, i64, p, i64, i32],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)

@@ -17,6 +17,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #define NR 24  // output columns per panel: 3 vectors of 8
 #define MR 4   // rows per register tile: 4 x 3 accumulators + 3 weights + 1 broadcast = 16 ymm
 
@@ -24,17 +26,19 @@
 
 static int64_t panels(int64_t n) { return (n + NR - 1) / NR; }
 
-// Store one row of a tile, y = acc (+ bias[n]) (+ res[n]) for nc valid columns: the adds run
-// in that order, after the chain, so they never change the chain's bits. The accumulators come
-// by value: passing their array would make the compiler keep them in memory.
-INLINE void store_row(__m256 v0, __m256 v1, __m256 v2, int nc, const float* bias,
-                      const float* res, float* y) {
+// Store one row of a tile, y = acc (* xs[0]) (+ bias[n]) (+ res[n]) for nc valid columns: the
+// product and adds run in that order, after the chain, so they never change the chain's bits.
+// The accumulators come by value: passing their array would make the compiler keep them in
+// memory.
+INLINE void store_row(__m256 v0, __m256 v1, __m256 v2, int nc, const float* xs,
+                      const float* bias, const float* res, float* y) {
     float tmp[NR];
     _mm256_storeu_ps(tmp, v0);
     _mm256_storeu_ps(tmp + 8, v1);
     _mm256_storeu_ps(tmp + 16, v2);
     for (int j = 0; j < nc; j++) {
         float v = tmp[j];
+        if (xs) v = v * xs[0];
         if (bias) v = v + bias[j];
         if (res) v = v + res[j];
         y[j] = v;
@@ -64,7 +68,8 @@ void qarl_pack_f32(const float* w, int64_t N, int64_t K, int64_t ldw, float* out
 // y[r, 8j:8j+8] = sum_k x[r, k] * panel[k, 8j:8j+8], one fma per k in increasing k, then
 // the epilogue. The accumulators are locals of this function so they live in registers.
 INLINE void tile_f32(int mr, int64_t K, const float* x, int64_t ldx, const float* w, int nc,
-                     const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy) {
+                     const float* xs, const float* bias, const float* res, int64_t ldr, float* y,
+                     int64_t ldy) {
     __m256 acc[MR][3];
 #pragma GCC unroll 4
     for (int r = 0; r < MR; r++)
@@ -86,25 +91,41 @@ INLINE void tile_f32(int mr, int64_t K, const float* x, int64_t ldx, const float
 #pragma GCC unroll 4
     for (int r = 0; r < MR; r++)
         if (r < mr)
-            store_row(acc[r][0], acc[r][1], acc[r][2], nc, bias, res ? res + r * ldr : 0, y + r * ldy);
+            store_row(acc[r][0], acc[r][1], acc[r][2], nc, xs ? xs + r : 0, bias,
+                      res ? res + r * ldr : 0, y + r * ldy);
 }
 
 // All row tiles of x against one packed panel; the switch hands each tile a constant mr
 // (the chain is the same for every mr: it only lets the compiler drop dead rows).
 INLINE void panel_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* w,
-                      int nc, const float* bias, const float* res, int64_t ldr, float* y,
-                      int64_t ldy) {
+                      int nc, const float* xs, const float* bias, const float* res, int64_t ldr,
+                      float* y, int64_t ldy) {
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
         int mr = M - m0 < MR ? (int)(M - m0) : MR;
         const float* xm = x + m0 * ldx;
+        const float* sm = xs ? xs + m0 : 0;
         const float* rm = res ? res + m0 * ldr : 0;
         float* ym = y + m0 * ldy;
         switch (mr) {
-            case 4: tile_f32(4, K, xm, ldx, w, nc, bias, rm, ldr, ym, ldy); break;
-            case 3: tile_f32(3, K, xm, ldx, w, nc, bias, rm, ldr, ym, ldy); break;
-            case 2: tile_f32(2, K, xm, ldx, w, nc, bias, rm, ldr, ym, ldy); break;
-            default: tile_f32(1, K, xm, ldx, w, nc, bias, rm, ldr, ym, ldy); break;
+            case 4: tile_f32(4, K, xm, ldx, w, nc, sm, bias, rm, ldr, ym, ldy); break;
+            case 3: tile_f32(3, K, xm, ldx, w, nc, sm, bias, rm, ldr, ym, ldy); break;
+            case 2: tile_f32(2, K, xm, ldx, w, nc, sm, bias, rm, ldr, ym, ldy); break;
+            default: tile_f32(1, K, xm, ldx, w, nc, sm, bias, rm, ldr, ym, ldy); break;
         }
+    }
+}
+
+// The panels of one product shared among the threads of the enclosing parallel region (an
+// orphaned `omp for`: alone outside a region): see kernels.h.
+void qarl_f32_panels(const float* x, int64_t M, int64_t K, int64_t ldx, const float* wp,
+                     int64_t N, const float* bias, const float* res, int64_t ldr, float* y,
+                     int64_t ldy) {
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels(N); p++) {
+        int64_t n0 = p * NR;
+        int nc = N - n0 < NR ? (int)(N - n0) : NR;
+        panel_f32(x, M, K, ldx, wp + p * K * NR, nc, 0, bias ? bias + n0 : 0,
+                  res ? res + n0 : 0, ldr, y + n0, ldy);
     }
 }
 
@@ -112,14 +133,8 @@ INLINE void panel_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const f
 void qarl_linear_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* wp,
                      int64_t N, const float* bias, const float* res, int64_t ldr, float* y,
                      int64_t ldy, int nthreads) {
-    int64_t P = panels(N);
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t p = 0; p < P; p++) {
-        int64_t n0 = p * NR;
-        int nc = N - n0 < NR ? (int)(N - n0) : NR;
-        panel_f32(x, M, K, ldx, wp + p * K * NR, nc, bias ? bias + n0 : 0, res ? res + n0 : 0,
-                  ldr, y + n0, ldy);
-    }
+#pragma omp parallel num_threads(nthreads)
+    qarl_f32_panels(x, M, K, ldx, wp, N, bias, res, ldr, y, ldy);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -168,7 +183,8 @@ INLINE int32_t load4(const int8_t* p) {
 // (round to nearest even, like torch's .float()), then the two scale products in that order.
 // x rows of Kq * 4 int8 (zero padded). Named accumulators: an array would be kept in memory.
 INLINE void tile_s8(int mr, int64_t Kq, const int8_t* x, int64_t ldx, const int8_t* w, int nc,
-                    const float* xs, const float* ws, float* y, int64_t ldy) {
+                    const float* xs, const float* ws, const float* bias, const float* res,
+                    int64_t ldr, float* y, int64_t ldy) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00, c20 = c00,
             c21 = c00, c30 = c00, c31 = c00;
@@ -202,16 +218,22 @@ INLINE void tile_s8(int mr, int64_t Kq, const int8_t* x, int64_t ldx, const int8
         __m256 sx = _mm256_set1_ps(xs[r]);
         _mm256_storeu_ps(tmp, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][0]), sx), ws0));
         _mm256_storeu_ps(tmp + 8, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][1]), sx), ws1));
-        memcpy(y + r * ldy, tmp, sizeof(float) * nc);
+        for (int j = 0; j < nc; j++) {  // then (+ bias) (+ residual), in that order
+            float v = tmp[j];
+            if (bias) v = v + bias[j];
+            if (res) v = v + res[r * ldr + j];
+            y[r * ldy + j] = v;
+        }
     }
 }
 
-// The GEMM over rows already padded to whole quads (row stride ld = Kq * 4).
-static void gemm_s8(const int8_t* x, int64_t M, int64_t Kq, int64_t ld, const float* xs,
-                    const int8_t* wp, const float* ws, int64_t N, float* y, int64_t ldy,
-                    int nthreads) {
+// The GEMM over rows already padded to whole quads (row stride ld = Kq * 4), its panels shared
+// among the threads of the enclosing parallel region (see kernels.h).
+void qarl_s8_panels(const int8_t* x, int64_t M, int64_t Kq, int64_t ld, const float* xs,
+                    const int8_t* wp, const float* ws, int64_t N, const float* bias,
+                    const float* res, int64_t ldr, float* y, int64_t ldy) {
     int64_t P = panels8(N);
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp for schedule(static)
     for (int64_t p = 0; p < P; p++) {
         int64_t n0 = p * NR8;
         int nc = N - n0 < NR8 ? (int)(N - n0) : NR8;
@@ -220,11 +242,13 @@ static void gemm_s8(const int8_t* x, int64_t M, int64_t Kq, int64_t ld, const fl
             int mr = M - m0 < MR8 ? (int)(M - m0) : MR8;
             const int8_t* xm = x + m0 * ld;
             float* ym = y + m0 * ldy + n0;
+            const float* b = bias ? bias + n0 : 0;
+            const float* rm = res ? res + m0 * ldr + n0 : 0;
             switch (mr) {
-                case 4: tile_s8(4, Kq, xm, ld, wpp, nc, xs + m0, ws + n0, ym, ldy); break;
-                case 3: tile_s8(3, Kq, xm, ld, wpp, nc, xs + m0, ws + n0, ym, ldy); break;
-                case 2: tile_s8(2, Kq, xm, ld, wpp, nc, xs + m0, ws + n0, ym, ldy); break;
-                default: tile_s8(1, Kq, xm, ld, wpp, nc, xs + m0, ws + n0, ym, ldy); break;
+                case 4: tile_s8(4, Kq, xm, ld, wpp, nc, xs + m0, ws + n0, b, rm, ldr, ym, ldy); break;
+                case 3: tile_s8(3, Kq, xm, ld, wpp, nc, xs + m0, ws + n0, b, rm, ldr, ym, ldy); break;
+                case 2: tile_s8(2, Kq, xm, ld, wpp, nc, xs + m0, ws + n0, b, rm, ldr, ym, ldy); break;
+                default: tile_s8(1, Kq, xm, ld, wpp, nc, xs + m0, ws + n0, b, rm, ldr, ym, ldy); break;
             }
         }
     }
@@ -238,13 +262,14 @@ void qarl_linear_s8(const int8_t* xq, int64_t M, int64_t K, int64_t ldx, const f
     int64_t Kq = (K + 3) / 4, ld = Kq * 4;
     int8_t* x = (int8_t*)calloc((size_t)(M * ld), 1);  // rows zero padded to whole quads
     for (int64_t m = 0; m < M; m++) memcpy(x + m * ld, xq + m * ldx, (size_t)K);
-    gemm_s8(x, M, Kq, ld, xs, wp, ws, N, y, ldy, nthreads);
+#pragma omp parallel num_threads(nthreads)
+    qarl_s8_panels(x, M, Kq, ld, xs, wp, ws, N, 0, 0, 0, y, ldy);
     free(x);
 }
 
 // One row as numerics.int8_rows quantizes it: s = max|x| / 127 (1 for an all-zero row),
 // q = clamp(round_half_even(x / s), -127, 127), with a true division like torch's.
-static void quantize_row_s8(const float* x, int64_t K, int8_t* q, float* scale) {
+void qarl_quantize_row_s8(const float* x, int64_t K, int8_t* q, float* scale) {
     const __m256 sign = _mm256_set1_ps(-0.f);
     __m256 vmax = _mm256_setzero_ps();
     int64_t k = 0;
@@ -276,7 +301,7 @@ static void quantize_row_s8(const float* x, int64_t K, int8_t* q, float* scale) 
 // Rows of x [M, K] float32 -> codes [M, K] int8 and scales [M]: numerics.int8_rows, exactly.
 void qarl_quantize_rows_s8(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q,
                            float* scales) {
-    for (int64_t m = 0; m < M; m++) quantize_row_s8(x + m * ldx, K, q + m * K, scales + m);
+    for (int64_t m = 0; m < M; m++) qarl_quantize_row_s8(x + m * ldx, K, q + m * K, scales + m);
 }
 
 // The dynamic W8A8 linear in one call: rows of x quantized as above, then the int8 GEMM.
@@ -285,8 +310,9 @@ void qarl_linear_s8_dynamic(const float* x, int64_t M, int64_t K, int64_t ldx, c
     int64_t Kq = (K + 3) / 4, ld = Kq * 4;
     int8_t* xq = (int8_t*)calloc((size_t)(M * ld), 1);
     float* xs = (float*)malloc(sizeof(float) * (size_t)(M > 0 ? M : 1));
-    for (int64_t m = 0; m < M; m++) quantize_row_s8(x + m * ldx, K, xq + m * ld, xs + m);
-    gemm_s8(xq, M, Kq, ld, xs, wp, ws, N, y, ldy, nthreads);
+    for (int64_t m = 0; m < M; m++) qarl_quantize_row_s8(x + m * ldx, K, xq + m * ld, xs + m);
+#pragma omp parallel num_threads(nthreads)
+    qarl_s8_panels(xq, M, Kq, ld, xs, wp, ws, N, 0, 0, 0, y, ldy);
     free(xs);
     free(xq);
 }
@@ -350,7 +376,8 @@ INLINE void dequant_u4(const uint8_t* w, const float* s, const float* z, int64_t
 // fewer than 3 chains in flight would idle the core); groups outermost.
 #define DEQ_U4(q, sg, zg) (z ? _mm256_fmadd_ps(q, sg, zg) : _mm256_mul_ps(q, sg))
 INLINE void direct_u4(int mr, const float* x, int64_t ldx, const uint8_t* w, const float* s,
-                      const float* z, int64_t K, int64_t group, int nc, float* y, int64_t ldy) {
+                      const float* z, int64_t K, int64_t group, int nc, const float* xs,
+                      const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy) {
     const __m256i low = _mm256_set1_epi32(15);
     const __m256 eight = _mm256_set1_ps(8.f);
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, b0 = a0, b1 = a0, b2 = a0;
@@ -398,12 +425,12 @@ INLINE void direct_u4(int mr, const float* x, int64_t ldx, const uint8_t* w, con
             }
         }
     }
-    store_row(a0, a1, a2, nc, 0, 0, y);
-    if (mr > 1) store_row(b0, b1, b2, nc, 0, 0, y + ldy);
+    store_row(a0, a1, a2, nc, xs, bias, res, y);
+    if (mr > 1) store_row(b0, b1, b2, nc, xs ? xs + 1 : 0, bias, res ? res + ldr : 0, y + ldy);
 }
 
 // fp32 -> the nearest bf16 (ties to even) as fp32, what torch's x.bfloat16().float() gives.
-static float round_bf16(float v) {
+float qarl_round_bf16(float v) {
     uint32_t u;
     memcpy(&u, &v, sizeof u);
     if ((u & 0x7fffffffu) > 0x7f800000u) {
@@ -416,6 +443,33 @@ static float round_bf16(float v) {
     return v;
 }
 
+// The panels of x . dequant(W)^T (* xs[m]) (+ bias) (+ res) shared among the threads of the
+// enclosing parallel region (see kernels.h); buf: this thread's K x NR floats, used for M > 2.
+void qarl_u4_panels(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* wp,
+                    const float* s, const float* z, int64_t group, int64_t N, const float* xs,
+                    const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy,
+                    float* buf) {
+    int64_t P = panels(N), G = K / group;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < P; p++) {
+        int64_t n0 = p * NR;
+        int nc = N - n0 < NR ? (int)(N - n0) : NR;
+        const uint8_t* wpp = wp + p * (K / 2) * NR;
+        const float* sp = s + p * G * NR;
+        const float* zp = z ? z + p * G * NR : 0;
+        const float* b = bias ? bias + n0 : 0;
+        const float* r = res ? res + n0 : 0;
+        if (M == 1) {
+            direct_u4(1, x, ldx, wpp, sp, zp, K, group, nc, xs, b, r, ldr, y + n0, ldy);
+        } else if (M == 2) {
+            direct_u4(2, x, ldx, wpp, sp, zp, K, group, nc, xs, b, r, ldr, y + n0, ldy);
+        } else {
+            dequant_u4(wpp, sp, zp, K, group, buf);
+            panel_f32(x, M, K, ldx, buf, nc, xs, b, r, ldr, y + n0, ldy);
+        }
+    }
+}
+
 // y[M, N] = x[M, K] . dequant(W)^T; wp from qarl_pack_u4, s/z [P][G][NR] fp32 (z may be NULL);
 // bf16: round x to bf16 first (W4A16's activations).
 void qarl_linear_u4(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* wp,
@@ -425,32 +479,16 @@ void qarl_linear_u4(const float* x, int64_t M, int64_t K, int64_t ldx, const uin
     if (bf16) {
         xr = (float*)malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1));
         for (int64_t m = 0; m < M; m++)
-            for (int64_t k = 0; k < K; k++) xr[m * K + k] = round_bf16(x[m * ldx + k]);
+            for (int64_t k = 0; k < K; k++) xr[m * K + k] = qarl_round_bf16(x[m * ldx + k]);
         x = xr;
         ldx = K;
     }
-    int64_t P = panels(N), G = K / group;
 #pragma omp parallel num_threads(nthreads)
     {
         // the dequantized-panel buffer only for M > 2 (1-2 rows work from registers; a buffer
         // of K x 24 floats per call would cost an mmap for large K)
         float* buf = M > 2 ? (float*)aligned_alloc(64, (size_t)((K * NR * 4 + 63) / 64 * 64)) : 0;
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < P; p++) {
-            int64_t n0 = p * NR;
-            int nc = N - n0 < NR ? (int)(N - n0) : NR;
-            const uint8_t* wpp = wp + p * (K / 2) * NR;
-            const float* sp = s + p * G * NR;
-            const float* zp = z ? z + p * G * NR : 0;
-            if (M == 1) {
-                direct_u4(1, x, ldx, wpp, sp, zp, K, group, nc, y + n0, ldy);
-            } else if (M == 2) {
-                direct_u4(2, x, ldx, wpp, sp, zp, K, group, nc, y + n0, ldy);
-            } else {
-                dequant_u4(wpp, sp, zp, K, group, buf);
-                panel_f32(x, M, K, ldx, buf, nc, 0, 0, 0, y + n0, ldy);
-            }
-        }
+        qarl_u4_panels(x, M, K, ldx, wp, s, z, group, N, 0, 0, 0, 0, y, ldy, buf);
         free(buf);
     }
     free(xr);

@@ -71,6 +71,12 @@ class Scheme:
         bias)` bit for bit)."""
         return lambda rows: self._linear(rows, qw)
 
+    def native_operand(self, qw: QWeight, device: torch.device) -> tuple[str, object] | None:
+        """(kind, packed weight) when this format's linear on `device` is one of qarl.native's
+        GEMMs, in the form a `qarl.native.DecodeBlock` calls it (`qarl.native.BlockGemm`),
+        computing exactly what `bound(qw, device)` computes; None otherwise."""
+        return None
+
     def prepared(self, qw: QWeight, device: torch.device, what: str, build) -> object:
         """Kernel-ready operand of `qw` for `device`, built once (layout only, never codes)."""
         key = (what, device)

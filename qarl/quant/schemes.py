@@ -85,6 +85,9 @@ class Int8Scheme(Scheme):
     def _native(self, qw: QWeight, device: torch.device) -> nat.PackedS8:
         return self.prepared(qw, device, "native-s8", lambda: nat.pack_s8(qw.codes, qw.scales))
 
+    def native_operand(self, qw: QWeight, device: torch.device) -> tuple[str, object] | None:
+        return ("s8", self._native(qw, device)) if self.method(device) == "native" else None
+
     def bound(self, qw: QWeight, device: torch.device):
         if self.method(device) == "native":
             packed = self._native(qw, device)

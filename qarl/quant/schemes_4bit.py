@@ -80,6 +80,11 @@ class Int4Scheme(Scheme):
         # and the dequantized weight, exactly
         return lambda rows: nat.linear_u4(rows.float(), packed, round_bf16=True)
 
+    native_kind = "u4-bf16"  # qarl.native.BlockGemm kind of _native_run
+
+    def native_operand(self, qw: QWeight, device: torch.device) -> tuple[str, object] | None:
+        return (self.native_kind, self._native(qw, device)) if self.uses_native(device) else None
+
     def bound(self, qw: QWeight, device: torch.device):
         if self.uses_native(device):
             return self._native_run(self._native(qw, device))
@@ -108,6 +113,7 @@ class W4A8Scheme(Int4Scheme):
     """W4A8: the int4 group weights of w4a16-int4, int8 per-token activations."""
 
     name = "w4a8-int"
+    native_kind = "u4-s8"
 
     def act_qdq(self, x: Tensor) -> Tensor:
         xq, xs = nm.int8_rows(x)

@@ -41,7 +41,7 @@ also batch-invariant: a row's bits never depend on the other rows).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -127,6 +127,9 @@ class BlockPacks:
     gate_up: object  # [2 ffn, d]: gate_proj, up_proj rows stacked
     gate_up_bias: Tensor | None  # [2 ffn] or None
     down: object  # [d, ffn]
+    # the whole block in one native call for one token per sequence, or None where a
+    # projection (or a norm) is not one qarl.native runs
+    native: native.DecodeBlock | None = None
 
 
 def _block_linears(block: Block) -> list[nn.Module]:
@@ -185,11 +188,17 @@ def _stacks(block: Block) -> tuple[list[nn.Linear], list[nn.Linear]]:
     return [a.q_proj, a.k_proj, a.v_proj], [m.gate_proj, m.up_proj]
 
 
+def _block_vectors(block: Block) -> list[Tensor]:
+    """The norm weights and biases a block's packs copy (the native block holds them)."""
+    a = block.self_attn
+    norms = [block.input_layernorm, block.post_attention_layernorm, a.q_norm, a.k_norm]
+    vectors = [n.weight for n in norms if n is not None]
+    return vectors + [lin.bias for lin in _block_linears(block) if lin.bias is not None]
+
+
 def _block_sources(block: Block) -> list[Tensor]:
-    """The parameters the packs of a block are built from (o/down biases are used live)."""
-    stacked_biases = [lin.bias for stack in _stacks(block) for lin in stack]
-    sources = [lin.weight for lin in _block_linears(block)]
-    return sources + [bias for bias in stacked_biases if bias is not None]
+    """The parameters the packs of a block are built from."""
+    return [lin.weight for lin in _block_linears(block)] + _block_vectors(block)
 
 
 def _stacked_bias(stack: list[nn.Module]) -> Tensor | None:
@@ -206,9 +215,8 @@ def _quant_sources(block: Block) -> tuple:
     """What the packs of a quantized block are built from: each layer's current QWeight (held,
     compared by identity: a push installs new ones) and the stacked biases' versions."""
     qws = [lin.qweight() for lin in _block_linears(block)]
-    biases = [lin.bias for stack in _stacks(block) for lin in stack if lin.bias is not None]
-    bias_key = _version_key(biases)
-    return None if bias_key is None else (_Same(qws), bias_key)
+    vectors_key = _version_key(_block_vectors(block))
+    return None if vectors_key is None else (_Same(qws), vectors_key)
 
 
 class _Same:
@@ -223,23 +231,54 @@ class _Same:
 
 
 def _pack_quant_block(block: Block) -> BlockPacks:
+    gemms = []
+
     def stacked(stack):
         qw = stack[0].qweight() if len(stack) == 1 else stack_rows([lin.qweight() for lin in stack])
-        return QuantPack(stack[0].scheme.bound(qw, qw.codes.device), qw.shape[0]), _stacked_bias(stack)
+        scheme, device = stack[0].scheme, qw.codes.device
+        bias = _stacked_bias(stack)
+        operand = scheme.native_operand(qw, device)
+        gemms.append(None if operand is None else native.BlockGemm(*operand, bias))
+        return QuantPack(scheme.bound(qw, device), qw.shape[0]), bias
 
-    (qkv, qkv_bias), (gate_up, gate_up_bias) = (stacked(s) for s in _stacks(block))
     a, m = block.self_attn, block.mlp
-    return BlockPacks(qkv=qkv, qkv_bias=qkv_bias, o=stacked([a.o_proj])[0], gate_up=gate_up,
-                      gate_up_bias=gate_up_bias, down=stacked([m.down_proj])[0])
+    (qkv, qkv_bias), (gate_up, gate_up_bias) = (stacked(s) for s in _stacks(block))
+    o, down = stacked([a.o_proj])[0], stacked([m.down_proj])[0]
+    packs = BlockPacks(qkv=qkv, qkv_bias=qkv_bias, o=o, gate_up=gate_up,
+                       gate_up_bias=gate_up_bias, down=down)
+    qkv_g, gate_up_g, o_g, down_g = gemms  # in the order stacked() ran
+    return replace(packs, native=_native_block(block, qkv_g, o_g, gate_up_g, down_g))
 
 
 def _pack_block(block: Block, batch_hint: int) -> BlockPacks:
+    a, m = block.self_attn, block.mlp
     (qkv, qkv_bias), (gate_up, gate_up_bias) = (_stacked(s, batch_hint) for s in _stacks(block))
-    return BlockPacks(
-        qkv=qkv, qkv_bias=qkv_bias, o=_pack(block.self_attn.o_proj.weight, batch_hint),
-        gate_up=gate_up, gate_up_bias=gate_up_bias,
-        down=_pack(block.mlp.down_proj.weight, batch_hint),
-    )
+    packs = BlockPacks(qkv=qkv, qkv_bias=qkv_bias, o=_pack(a.o_proj.weight, batch_hint),
+                       gate_up=gate_up, gate_up_bias=gate_up_bias,
+                       down=_pack(m.down_proj.weight, batch_hint))
+    if not isinstance(qkv, native.PackedF32):
+        return packs  # oneDNN-packed: no native kernels here
+    gemms = [native.BlockGemm("f32", packs.qkv, qkv_bias), native.BlockGemm("f32", packs.o, a.o_proj.bias),
+             native.BlockGemm("f32", gate_up, gate_up_bias), native.BlockGemm("f32", packs.down, m.down_proj.bias)]
+    return replace(packs, native=_native_block(block, *gemms))
+
+
+def _native_block(block: Block, qkv, o, gate_up, down) -> native.DecodeBlock | None:
+    """The block as one qarl.native call (see BlockPacks.native), or None."""
+    norms = (block.input_layernorm, block.post_attention_layernorm)
+    if None in (qkv, o, gate_up, down) or any(type(n) is not RMSNorm for n in norms):
+        return None
+    a, m = block.self_attn, block.mlp
+    if a.head_dim % 8:
+        return None
+    o, down = replace(o, bias=a.o_proj.bias), replace(down, bias=m.down_proj.bias)
+    q_norm = k_norm = None
+    qk_eps = 0.0
+    if a.q_norm is not None:
+        q_norm, k_norm, qk_eps = a.q_norm.weight, a.k_norm.weight, a.q_norm.eps
+    return native.DecodeBlock(
+        qkv, o, gate_up, down, norms[0].weight, norms[1].weight, (norms[0].eps, norms[1].eps),
+        a.num_heads, a.num_kv_heads, a.head_dim, q_norm, k_norm, qk_eps)
 
 
 def _rms_norm(norm: nn.Module, x: Tensor) -> Tensor:
@@ -303,6 +342,10 @@ def fused_block_forward(
 ) -> Tensor:
     """`Block.forward` (same arguments, same math) on packed, fused weights. x: [B, T, d]."""
     attn, mlp = block.self_attn, block.mlp
+    if packs.native is not None and _native_decode_ok(attn, x, cache):
+        # one token per sequence: the whole block in one call (= the steps below, bit for bit)
+        return packs.native(x, cos, sin, cache.k[layer], cache.v[layer], cache_start,
+                            _mask_bytes(mask))
     h = _rms_norm(block.input_layernorm, x)
     qkv = _linear(h, packs.qkv, packs.qkv_bias)  # [B, T, (H + 2 Hkv) D]
     if _native_decode_ok(attn, x, cache):

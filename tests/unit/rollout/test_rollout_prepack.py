@@ -195,3 +195,38 @@ def test_fused_quantized_block_follows_pushed_weights(make_model):
     reference = LocalEngine(fresh, eos_token_ids=()).generate(PROMPTS, SHORT, seed=0).rollout_logp
     assert not torch.equal(before, after)
     assert torch.equal(after, reference)
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("scheme", [None, "w8a8-int8", "w4a16-int4", "w4a8-int"])
+def test_one_call_native_block_equals_the_step_by_step_block(make_model, family, scheme,
+                                                             monkeypatch):
+    """At each decode step a block whose projections all run qarl.native's GEMMs goes through
+    one native call (`qarl.native.DecodeBlock`); it computes exactly what the step-by-step
+    fused block computes: sampled tokens and logprobs equal bit for bit, at batch 1, 2 (int4
+    from registers) and 3 (int4 through a dequantized panel), with q/k/v biases (qwen2) and
+    q/k norms (qwen3)."""
+    from qarl import native
+    from qarl.quant import quantize_model
+    from qarl.rollout import prepack
+
+    if not native.available():
+        pytest.skip(f"native kernels: {native.why_unavailable()}")
+    model = make_model(family=family)
+    if scheme is not None:
+        options = {} if scheme == "w8a8-int8" else {"group_size": 32}
+        quantize_model(model, scheme, mode="kernel", **options)
+    sampling = SamplingParams(max_new_tokens=6)
+    calls = []
+    one_call = LocalEngine(model, eos_token_ids=())
+    original = native.DecodeBlock.__call__
+    monkeypatch.setattr(native.DecodeBlock, "__call__",
+                        lambda self, *args: calls.append(1) or original(self, *args))
+    with_block = [one_call.generate(PROMPTS[:n], sampling, seed=n) for n in (1, 2, 3)]
+    assert len(calls) == 3 * 5 * 2  # 3 calls x 5 decode steps x 2 blocks
+    monkeypatch.setattr(prepack, "_native_block", lambda *args: None)
+    steps = LocalEngine(copy.deepcopy(model), eos_token_ids=())
+    for n, batch in zip((1, 2, 3), with_block):
+        ref = steps.generate(PROMPTS[:n], sampling, seed=n)
+        assert torch.equal(batch.response_ids, ref.response_ids)
+        assert torch.equal(batch.rollout_logp, ref.rollout_logp)
+    assert len(calls) == 30  # the second engine never used it

@@ -374,17 +374,23 @@ INLINE void dequant_u4(const uint8_t* w, const float* s, const float* z, int64_t
 // no buffer round trip): the same w values in the same fma order as dequant_u4 + tile_f32,
 // hence the same bits. All 24 columns advance together (a chain waits 4 cycles per fma, so
 // fewer than 3 chains in flight would idle the core); groups outermost.
-#define DEQ_U4(q, sg, zg) (z ? _mm256_fmadd_ps(q, sg, zg) : _mm256_mul_ps(q, sg))
+// w from u as float: fma(u - 8, s, z) with zeros; fma(u, s, t) with t = -8 s without (u s - 8 s
+// is (u - 8) s exactly, representable, so the one rounding keeps it: the same value as
+// (u - 8) * s, one subtraction fewer)
+#define DEQ_U4(u, sg, tg, zg) \
+    (z ? _mm256_fmadd_ps(_mm256_sub_ps(u, eight), sg, zg) : _mm256_fmadd_ps(u, sg, tg))
 INLINE void direct_u4(int mr, const float* x, int64_t ldx, const uint8_t* w, const float* s,
                       const float* z, int64_t K, int64_t group, int nc, const float* xs,
                       const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy) {
     const __m256i low = _mm256_set1_epi32(15);
-    const __m256 eight = _mm256_set1_ps(8.f);
+    const __m256 eight = _mm256_set1_ps(8.f), minus8 = _mm256_set1_ps(-8.f);
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, b0 = a0, b1 = a0, b2 = a0;
     for (int64_t g = 0; g < K / group; g++) {
         __m256 s0 = _mm256_loadu_ps(s + g * NR), s1 = _mm256_loadu_ps(s + g * NR + 8),
                s2 = _mm256_loadu_ps(s + g * NR + 16);
         __m256 z0 = s0, z1 = s1, z2 = s2;  // unused when symmetric
+        __m256 t0 = _mm256_mul_ps(s0, minus8), t1 = _mm256_mul_ps(s1, minus8),
+               t2 = _mm256_mul_ps(s2, minus8);  // unused with zeros
         if (z) {
             z0 = _mm256_loadu_ps(z + g * NR);
             z1 = _mm256_loadu_ps(z + g * NR + 8);
@@ -396,9 +402,9 @@ INLINE void direct_u4(int mr, const float* x, int64_t ldx, const uint8_t* w, con
             __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(wi + 8)));
             __m256i v2 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(wi + 16)));
             // k = 2i: low nibbles
-            __m256 w0 = DEQ_U4(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, low)), eight), s0, z0);
-            __m256 w1 = DEQ_U4(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, low)), eight), s1, z1);
-            __m256 w2 = DEQ_U4(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v2, low)), eight), s2, z2);
+            __m256 w0 = DEQ_U4(_mm256_cvtepi32_ps(_mm256_and_si256(v0, low)), s0, t0, z0);
+            __m256 w1 = DEQ_U4(_mm256_cvtepi32_ps(_mm256_and_si256(v1, low)), s1, t1, z1);
+            __m256 w2 = DEQ_U4(_mm256_cvtepi32_ps(_mm256_and_si256(v2, low)), s2, t2, z2);
             __m256 xa = _mm256_broadcast_ss(x + 2 * i);
             a0 = _mm256_fmadd_ps(xa, w0, a0);
             a1 = _mm256_fmadd_ps(xa, w1, a1);
@@ -410,9 +416,9 @@ INLINE void direct_u4(int mr, const float* x, int64_t ldx, const uint8_t* w, con
                 b2 = _mm256_fmadd_ps(xb, w2, b2);
             }
             // k = 2i + 1: high nibbles
-            w0 = DEQ_U4(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), eight), s0, z0);
-            w1 = DEQ_U4(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), eight), s1, z1);
-            w2 = DEQ_U4(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v2, 4)), eight), s2, z2);
+            w0 = DEQ_U4(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), s0, t0, z0);
+            w1 = DEQ_U4(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), s1, t1, z1);
+            w2 = DEQ_U4(_mm256_cvtepi32_ps(_mm256_srli_epi32(v2, 4)), s2, t2, z2);
             xa = _mm256_broadcast_ss(x + 2 * i + 1);
             a0 = _mm256_fmadd_ps(xa, w0, a0);
             a1 = _mm256_fmadd_ps(xa, w1, a1);

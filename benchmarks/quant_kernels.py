@@ -4,7 +4,8 @@ Part 1 ("layers"): one linear layer per format at M = 1, 16, 256 rows and (K, N)
 4096, timed against plain fp32 and bf16 `F.linear`, the batch-invariant fp32 linear and (where
 it runs) qarl.native's packed fp32 GEMM, which is what the engine's fp32 decode uses.
 Part 2 ("decode"): `qarl.rollout.LocalEngine` greedy decode ms/step per format (projections
-quantized in kernel mode, lm_head left to the engine) on the 109M Qwen3 config and on
+quantized in kernel mode, lm_head left to the engine in fp32; with `--lm-head both` each
+format also as "<format>+lm_head", lm_head quantized too) on the 109M Qwen3 config and on
 smollm2-135m, batch 1 and 16; step time = (t(N tokens) - t(1 token)) / (N - 1), best of
 `--repeats`, the formats' engines built side by side and their timed calls interleaved. Run it on a quiet machine: with other jobs on a 2-core machine two OpenMP threads
 make every GEMM wait on the busier core (10-30x slower M>1 fp32 GEMMs measured); the load
@@ -81,20 +82,28 @@ def build_model(name: str):
     return load_model(name).eval()
 
 
-def decode_figures(models, batches, formats, new_tokens, repeats, prompt_len) -> tuple[str, list]:
+LM_HEAD_SUFFIX = "+lm_head"
+
+
+def decode_figures(models, batches, formats, new_tokens, repeats, prompt_len,
+                   lm_head: str = "engine") -> tuple[str, list]:
     """Every format's engine is built first and the timed calls are interleaved (format after
     format, repeat after repeat), so drifts of the machine's speed hit all formats alike."""
     from qarl.rollout import LocalEngine
     from qarl.types import SamplingParams
 
+    variants = [(f, False) for f in formats if lm_head in ("engine", "both")]
+    variants += [(f, True) for f in formats if lm_head in ("quantized", "both")]
     out = []
     for model_name in models:
         engines = {}
-        for fmt in ["fp32"] + list(formats):
+        for fmt, with_head in [("fp32", False)] + sorted(variants):
             model = build_model(model_name)
             if fmt != "fp32":
-                quantize_model(model, fmt, mode="kernel")
-            engines[fmt] = LocalEngine(model, eos_token_ids=(), pad_token_id=0)
+                include = ["model.layers.*", "lm_head"] if with_head else None
+                quantize_model(model, fmt, mode="kernel", include=include)
+            name = fmt + LM_HEAD_SUFFIX if with_head else fmt
+            engines[name] = LocalEngine(model, eos_token_ids=(), pad_token_id=0)
         for batch in batches:
             prompts = torch.randint(1, engines["fp32"].model.config.vocab_size, (batch, prompt_len),
                                     generator=torch.Generator().manual_seed(batch)).tolist()
@@ -117,7 +126,8 @@ def decode_figures(models, batches, formats, new_tokens, repeats, prompt_len) ->
                 out.append(case)
                 print(json.dumps(case), flush=True)
         del engines
-    return "qarl.rollout.LocalEngine (greedy, prepacked fp32 lm_head), formats interleaved", out
+    return ("qarl.rollout.LocalEngine (greedy; lm_head prepacked fp32, or quantized for "
+            f"'{LM_HEAD_SUFFIX}'), formats interleaved"), out
 
 
 def add_speedups(cases: list[dict]) -> None:
@@ -138,6 +148,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--lm-head", choices=["engine", "quantized", "both"], default="engine",
+                        help="decode: lm_head in fp32 (engine), quantized too, or both rows")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     formats = args.formats.split(",")
@@ -154,7 +166,7 @@ def main(argv=None) -> dict:
     if "decode" in parts:
         engine, cases = decode_figures(
             args.models.split(","), [int(b) for b in args.batches.split(",")], formats,
-            args.new_tokens, args.repeats, args.prompt_len,
+            args.new_tokens, args.repeats, args.prompt_len, args.lm_head,
         )
         add_speedups(cases)
         report["decode_engine"], report["decode"] = engine, cases

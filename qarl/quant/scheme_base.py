@@ -89,10 +89,13 @@ class Scheme:
         """x [M, K] . weight()^T with a batch-invariant GEMM: the native fp32 kernel on a CPU
         that runs it (weight packed once per QWeight), else `batch_invariant_linear`."""
         if K.native_f32_ok(x.device, qw):
-            packed = self.prepared(qw, x.device, "native-f32", lambda: nat.pack_f32(weight()))
-            return nat.linear_f32(x.float(), packed)
+            return nat.linear_f32(x.float(), self.native_f32(qw, x.device, weight))
         w = self.prepared(qw, x.device, "dequantized", weight)
         return K.batch_invariant_linear(x, w)
+
+    def native_f32(self, qw: QWeight, device: torch.device, weight) -> nat.PackedF32:
+        """weight() [N, K] float32 packed for qarl.native's fp32 GEMM, once per QWeight."""
+        return self.prepared(qw, device, "native-f32", lambda: nat.pack_f32(weight()))
 
     def float_gemm_path(self, device: torch.device, qw: QWeight) -> str:
         if K.native_f32_ok(device, qw):

@@ -43,6 +43,11 @@ class NoneScheme(Scheme):
     def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
         return self.float_gemm(x, qw, lambda: qw.codes)
 
+    def native_operand(self, qw: QWeight, device: torch.device) -> tuple[str, object] | None:
+        if not K.native_f32_ok(device, qw):
+            return None
+        return "f32", self.native_f32(qw, device, lambda: qw.codes)
+
     def kernel_path(self, device: torch.device, qw: QWeight) -> str:
         return f"{self.float_gemm_path(device, qw)} in the weight's dtype: no quantization"
 

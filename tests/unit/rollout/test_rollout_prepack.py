@@ -197,7 +197,7 @@ def test_fused_quantized_block_follows_pushed_weights(make_model):
     assert torch.equal(after, reference)
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("scheme", [None, "w8a8-int8", "w4a16-int4", "w4a8-int"])
+@pytest.mark.parametrize("scheme", [None, "none", "w8a8-int8", "w4a16-int4", "w4a8-int"])
 def test_one_call_native_block_equals_the_step_by_step_block(make_model, family, scheme,
                                                              monkeypatch):
     """At each decode step a block whose projections all run qarl.native's GEMMs goes through
@@ -213,7 +213,7 @@ def test_one_call_native_block_equals_the_step_by_step_block(make_model, family,
         pytest.skip(f"native kernels: {native.why_unavailable()}")
     model = make_model(family=family)
     if scheme is not None:
-        options = {} if scheme == "w8a8-int8" else {"group_size": 32}
+        options = {"group_size": 32} if scheme.startswith("w4") else {}
         quantize_model(model, scheme, mode="kernel", **options)
     sampling = SamplingParams(max_new_tokens=6)
     calls = []

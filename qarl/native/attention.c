@@ -83,24 +83,36 @@ INLINE void attend_one(const float* qh, const float* kh, int64_t k_ss, const flo
 
 // out [B, H, D] = attention of q [B, H, D] (contiguous) over keys/values k, v (element strides
 // per sequence, head and slot; unit stride along D, D a multiple of 8) of S slots; mask [B', S]
-// bytes (1 = may attend; B' = B, or 1 with mask_sb = 0) or NULL for all.
+// bytes (1 = may attend; B' = B, or 1 with mask_sb = 0) or NULL for all. The (sequence, head)
+// pairs are shared among the threads of the enclosing region; p: this thread's scratch of S
+// rounded up to 8 floats.
+static void attend_heads(const float* q, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                         const float* k, int64_t k_sb, int64_t k_sh, int64_t k_ss,
+                         const float* v, int64_t v_sb, int64_t v_sh, int64_t v_ss, int64_t S,
+                         const uint8_t* mask, int64_t mask_sb, float scale, float* p, float* out) {
+    int64_t group = H / Hkv;
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t h = 0; h < H; h++) {
+            attend_one(q + (b * H + h) * D, k + b * k_sb + (h / group) * k_sh, k_ss,
+                       v + b * v_sb + (h / group) * v_sh, v_ss, mask ? mask + b * mask_sb : 0,
+                       S, D, scale, p, out + (b * H + h) * D);
+        }
+    }
+}
+
+// attend_heads in its own parallel region.
 void qarl_attend_decode(const float* q, int64_t B, int64_t H, int64_t Hkv, int64_t D,
                         const float* k, int64_t k_sb, int64_t k_sh, int64_t k_ss,
                         const float* v, int64_t v_sb, int64_t v_sh, int64_t v_ss, int64_t S,
                         const uint8_t* mask, int64_t mask_sb, float scale, float* out,
                         int nthreads) {
-    int64_t group = H / Hkv, S8 = (S + 7) / 8 * 8;
+    int64_t S8 = (S + 7) / 8 * 8;
 #pragma omp parallel num_threads(nthreads)
     {
         float* p = (float*)malloc(sizeof(float) * (size_t)(S8 > 0 ? S8 : 8));
-#pragma omp for collapse(2) schedule(static)
-        for (int64_t b = 0; b < B; b++) {
-            for (int64_t h = 0; h < H; h++) {
-                attend_one(q + (b * H + h) * D, k + b * k_sb + (h / group) * k_sh, k_ss,
-                           v + b * v_sb + (h / group) * v_sh, v_ss,
-                           mask ? mask + b * mask_sb : 0, S, D, scale, p, out + (b * H + h) * D);
-            }
-        }
+        attend_heads(q, B, H, Hkv, D, k, k_sb, k_sh, k_ss, v, v_sb, v_sh, v_ss, S, mask, mask_sb,
+                     scale, p, out);
         free(p);
     }
 }
@@ -120,7 +132,7 @@ void qarl_attention_step(const float* qkv, int64_t B, int64_t H, int64_t Hkv, in
                          const float* sin, int64_t cs_sb, float* kc, float* vc, int64_t c_sb,
                          int64_t c_sh, int64_t c_ss, int64_t slot, const uint8_t* mask,
                          int64_t mask_sb, float scale, float* q_buf, float* out, float* p) {
-    int64_t group = H / Hkv, S = slot + 1, W = (H + 2 * Hkv) * D;
+    int64_t S = slot + 1, W = (H + 2 * Hkv) * D;
     // q heads into q_buf [B, H, D]; k and v heads into the cache
 #pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; b++) {
@@ -142,14 +154,8 @@ void qarl_attention_step(const float* qkv, int64_t B, int64_t H, int64_t Hkv, in
         }
     }
     // (the implicit barrier: every k / v of this step is in the cache)
-#pragma omp for collapse(2) schedule(static)
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t h = 0; h < H; h++) {
-            attend_one(q_buf + (b * H + h) * D, kc + b * c_sb + (h / group) * c_sh, c_ss,
-                       vc + b * c_sb + (h / group) * c_sh, c_ss,
-                       mask ? mask + b * mask_sb : 0, S, D, scale, p, out + (b * H + h) * D);
-        }
-    }
+    attend_heads(q_buf, B, H, Hkv, D, kc, c_sb, c_sh, c_ss, vc, c_sb, c_sh, c_ss, S, mask, mask_sb,
+                 scale, p, out);
 }
 
 // One decoder layer's attention for one new token per sequence, after the q/k/v projection:

@@ -23,6 +23,10 @@ native (M=1: 0.41, 0.21, 0.19 ms).
   q/k/v and gate/up each as one quantized GEMM on row-stacked QWeights: exactly the layers'
   own outputs (each output row keeps its codes and scales; the activation is quantized once
   instead of three times, identically), at 4 kernel calls per block instead of 7.
+- at each decode step (one token per sequence, fp32, a KV cache), a fused block whose four
+  GEMMs are qarl.native kernels (fp32 panels, or a format's `Scheme.native_operand`) runs as
+  ONE native call (`qarl.native.DecodeBlock`, built with the packs); other fused blocks run
+  their steps with qarl.native's RMSNorm, SwiGLU product and one-call attention step.
 - every other plain fp32 `nn.Linear` (lm_head, the linears of blocks that are partly
   quantized) runs on its own packed weight.
 
@@ -32,8 +36,8 @@ weights (`LocalEngine.load_weights`, an optimizer step on a shared model) are ne
 stale; quantized packs are keyed on the identity of each layer's installed QWeight. Only plain
 fp32 CPU `nn.Linear` layers are packed; quantized layers always run their scheme's kernel
 (stacked, in fused blocks), and bf16 layers (no bf16 arithmetic on this CPU) and accelerator
-tensors keep their own forward. Results differ from the unfused `F.linear`
-path by rounding only (~1e-6 relative in fp32); two models with identical weights compute
+tensors keep their own forward. Results differ from the model's own forward by rounding
+only (~1e-6 relative in fp32: GEMM summation order, the native RMSNorm and silu); two models with identical weights compute
 identically on this path, which is what `LocalEngine.score` relies on (the native kernel is
 also batch-invariant: a row's bits never depend on the other rows).
 """

@@ -30,7 +30,7 @@ __all__ = [
     "available", "why_unavailable", "PackedF32", "PackedS8", "PackedU4",
     "pack_f32", "pack_s8", "pack_u4", "linear_f32", "linear_s8", "linear_s8_dynamic",
     "linear_u4", "quantize_rows_s8", "attend_decode", "decode_attention", "rms_norm", "silu_mul",
-    "BlockGemm", "DecodeBlock",
+    "BlockGemm", "DecodeBlock", "sample_rows",
 ]
 
 
@@ -301,6 +301,26 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     y = torch.empty(g2.shape[0], f, dtype=torch.float32)
     _lib().qarl_silu_mul(g2.data_ptr(), g2.shape[0], f, y.data_ptr(), _threads())
     return y.view(*gate_up.shape[:-1], f)
+
+
+def sample_rows(logits: Tensor, temperature: float, u: Tensor) -> Tensor:
+    """One token per row of logits [B, V] float32 drawn from softmax(logits / temperature) by
+    inverse CDF with the uniforms u [B] float64 in [0, 1): the first token whose cumulative
+    probability exceeds u * total (probabilities exp(s - max s) in fp32 with their own exp,
+    sums in fp64). Tokens with -inf logits are never drawn. -> [B] int64."""
+    B, V = logits.shape
+    if logits.dtype != torch.float32 or logits.stride(-1) != 1 or u.shape != (B,) or u.dtype != torch.float64:
+        raise ValueError(f"sample_rows: logits must be float32 [B, V] with unit stride along V and u "
+                         f"float64 [B]; got {logits.dtype} {tuple(logits.shape)}, u {u.dtype} "
+                         f"{tuple(u.shape)}")
+    v8 = (V + 7) // 8 * 8
+    p = torch.empty(B, v8, dtype=torch.float32)
+    blocks = torch.empty(B, v8 // 8 + 1, dtype=torch.float64)
+    tokens = torch.empty(B, dtype=torch.int64)
+    u = u.contiguous()
+    _lib().qarl_sample_rows(logits.data_ptr(), B, V, logits.stride(0), temperature, u.data_ptr(),
+                            p.data_ptr(), blocks.data_ptr(), tokens.data_ptr(), _threads())
+    return tokens
 
 
 GEMM_KINDS = {"f32": 0, "s8": 1, "u4-bf16": 2, "u4-s8": 3}  # decode.c's GEMM_*

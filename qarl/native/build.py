@@ -98,6 +98,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "qarl_rms_norm": [p, i64, i64, i64, p, f32, p, i64, i32],
         "qarl_silu_mul": [p, i64, i64, p, i32],
         "qarl_decode_block": [p, p, i64, p, p, i64, p, p, i64, i64, i64, i64, p, i64, i32],
+        "qarl_sample_rows": [p, i64, i64, i64, f32, p, p, p, p, i32],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)

@@ -257,7 +257,8 @@ def decode_attention(qkv: Tensor, num_heads: int, num_kv_heads: int, cos: Tensor
     H, Hkv = num_heads, num_kv_heads
     D = W // (H + 2 * Hkv)
     if (T != 1 or W != (H + 2 * Hkv) * D or D % 8 or H % Hkv or qkv.dtype != torch.float32
-            or not qkv.is_contiguous() or k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride()
+            or not qkv.is_contiguous() or k_cache.stride(-1) != 1
+            or v_cache.stride() != k_cache.stride()
             or cos.shape[-1] != D or cos.stride(-1) != 1 or sin.stride() != cos.stride()
             or slot >= k_cache.shape[2] or tuple(k_cache.shape[:2]) != (B, Hkv)):
         raise ValueError(
@@ -309,8 +310,10 @@ def sample_rows(logits: Tensor, temperature: float, u: Tensor) -> Tensor:
     probability exceeds u * total (probabilities exp(s - max s) in fp32 with their own exp,
     sums in fp64). Tokens with -inf logits are never drawn. -> [B] int64."""
     B, V = logits.shape
-    if logits.dtype != torch.float32 or logits.stride(-1) != 1 or u.shape != (B,) or u.dtype != torch.float64:
-        raise ValueError(f"sample_rows: logits must be float32 [B, V] with unit stride along V and u "
+    if (logits.dtype != torch.float32 or logits.stride(-1) != 1 or u.shape != (B,)
+            or u.dtype != torch.float64):
+        raise ValueError(f"sample_rows: logits must be float32 [B, V] with unit stride along V "
+                         f"and u "
                          f"float64 [B]; got {logits.dtype} {tuple(logits.shape)}, u {u.dtype} "
                          f"{tuple(u.shape)}")
     v8 = (V + 7) // 8 * 8
@@ -383,7 +386,8 @@ class DecodeBlock:
                 raise ValueError(f"DecodeBlock: {name} must be a {n} x {k} projection of a kind in "
                                  f"{sorted(GEMM_KINDS)}, got {g.kind} {g.packed.n} x {g.packed.k}")
         if D % 8 or H % Hkv or (q_norm is None) != (k_norm is None):
-            raise ValueError(f"DecodeBlock: head_dim {D} must be a multiple of 8, {H} heads a multiple "
+            raise ValueError(f"DecodeBlock: head_dim {D} must be a multiple of 8, {H} heads a "
+                             f"multiple "
                              f"of {Hkv} key/value heads, q_norm and k_norm both given or neither")
         keep = [_f32_vector(input_norm, d, "input_norm"), _f32_vector(post_norm, d, "post_norm"),
                 _f32_vector(q_norm, D, "q_norm"), _f32_vector(k_norm, D, "k_norm")]

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch  # noqa: F401  (loaded first: its libgomp is the one kernels.c links against)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "attention.c", "decode.c")]
-HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "kernels.h")]  # included by the sources: part of the hash
+# included by the sources: part of the hash
+HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "kernels.h")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
 DISABLE_ENV = "QARL_NATIVE"  # QARL_NATIVE=0 turns the native kernels off
 
@@ -54,7 +55,8 @@ def _cache_dir() -> Path:
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256(
-        b"".join(src.read_bytes() for src in SOURCES + HEADERS) + " ".join(FLAGS).encode() + version.encode()
+        b"".join(src.read_bytes() for src in SOURCES + HEADERS)
+        + " ".join(FLAGS).encode() + version.encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"qarl_cpu-{digest}.so"
     if target.exists():
@@ -64,7 +66,8 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-lm", "-o", tmp], capture_output=True, text=True)
+        done = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-lm", "-o", tmp],
+                              capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed to build {[src.name for src in SOURCES]}:\n"
                                f"{done.stderr[-2000:]}")

@@ -37,9 +37,10 @@ stale; quantized packs are keyed on the identity of each layer's installed QWeig
 fp32 CPU `nn.Linear` layers are packed; quantized layers always run their scheme's kernel
 (stacked, in fused blocks), and bf16 layers (no bf16 arithmetic on this CPU) and accelerator
 tensors keep their own forward. Results differ from the model's own forward by rounding
-only (~1e-6 relative in fp32: GEMM summation order, the native RMSNorm and silu); two models with identical weights compute
-identically on this path, which is what `LocalEngine.score` relies on (the native kernel is
-also batch-invariant: a row's bits never depend on the other rows).
+only (~1e-6 relative in fp32: GEMM summation order, the native RMSNorm and silu); two models
+with identical weights compute identically on this path, which is what `LocalEngine.score`
+relies on (the native kernels are also batch-invariant: a row's bits never depend on the
+other rows).
 """
 
 from __future__ import annotations
@@ -262,8 +263,10 @@ def _pack_block(block: Block, batch_hint: int) -> BlockPacks:
                        down=_pack(m.down_proj.weight, batch_hint))
     if not isinstance(qkv, native.PackedF32):
         return packs  # oneDNN-packed: no native kernels here
-    gemms = [native.BlockGemm("f32", packs.qkv, qkv_bias), native.BlockGemm("f32", packs.o, a.o_proj.bias),
-             native.BlockGemm("f32", gate_up, gate_up_bias), native.BlockGemm("f32", packs.down, m.down_proj.bias)]
+    gemms = [native.BlockGemm("f32", packs.qkv, qkv_bias),
+             native.BlockGemm("f32", packs.o, a.o_proj.bias),
+             native.BlockGemm("f32", gate_up, gate_up_bias),
+             native.BlockGemm("f32", packs.down, m.down_proj.bias)]
     return replace(packs, native=_native_block(block, *gemms))
 
 
@@ -335,7 +338,8 @@ def _attention_decode(attn: Attention, qkv: Tensor, cos, sin, mask, cache, layer
     q_norm = k_norm = None
     eps = 0.0
     if attn.q_norm is not None:
-        q_norm, k_norm, eps = attn.q_norm.weight.detach(), attn.k_norm.weight.detach(), attn.q_norm.eps
+        q_norm, k_norm = attn.q_norm.weight.detach(), attn.k_norm.weight.detach()
+        eps = attn.q_norm.eps
     return native.decode_attention(
         qkv, attn.num_heads, attn.num_kv_heads, cos, sin, cache.k[layer], cache.v[layer], slot,
         _mask_bytes(mask), q_norm, k_norm, eps)

@@ -281,7 +281,9 @@ def test_rms_norm_and_silu_mul_match_pytorch_and_are_row_exact():
             torch.testing.assert_close(nat.rms_norm(x, norm.weight, 1e-6), norm(x), atol=1e-5, rtol=1e-6)
         plain = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
         torch.testing.assert_close(nat.rms_norm(x, None, 1e-6), plain, atol=1e-6, rtol=1e-6)
-        _rows_alone_equal(lambda r: nat.rms_norm(r, norm.weight, 1e-6), x[:, 0], nat.rms_norm(x[:, 0], norm.weight, 1e-6))
+        rows = x[:, 0]
+        _rows_alone_equal(lambda r: nat.rms_norm(r, norm.weight, 1e-6), rows,
+                          nat.rms_norm(rows, norm.weight, 1e-6))
 
         gate_up = _rand((9, 1, 2 * n), n + 2, scale=6.0)
         gate_up[0, 0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # exp over- and underflow

@@ -1,0 +1,229 @@
+"""The per-token operations of decoding around the GEMMs: attention steps, RMSNorm, SwiGLU,
+sampling, and a whole decoder block in one call (`DecodeBlock`)."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from qarl.native.ffi import _lib, _ptr, _rows, _threads
+from qarl.native.gemm import PackedF32, PackedS8, PackedU4
+
+
+def attend_decode(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """Attention of one query per sequence: q [B, H, 1, D], k / v [B, Hkv, S, D] (views of a KV
+    cache are fine: unit stride along D), mask [B or 1, 1, 1, S] bool (True = may attend) or
+    None -> [B, H, 1, D] float32, softmax(q k^T / sqrt(D)) v with grouped-query heads (as SDPA
+    with enable_gqa). Agrees with SDPA to fp32 rounding (~1e-7), not bit for bit."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if T != 1 or D % 8 or H % Hkv or k.stride(-1) != 1 or v.stride(-1) != 1 or q.dtype != torch.float32:
+        raise ValueError(f"attend_decode: one float32 query per sequence, D % 8 == 0, H % Hkv == 0 "
+                         f"and unit-stride keys/values; got q {tuple(q.shape)} {q.dtype}, k "
+                         f"{tuple(k.shape)} strides {k.stride()}")
+    q = q.contiguous()
+    out = torch.empty(B, H, 1, D, dtype=torch.float32)
+    m, m_sb = None, 0
+    if mask is not None:
+        m = mask.reshape(mask.shape[0], S).to(torch.uint8).contiguous()
+        m_sb = S if m.shape[0] > 1 else 0
+    _lib().qarl_attend_decode(
+        q.data_ptr(), B, H, Hkv, D, k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
+        v.data_ptr(), v.stride(0), v.stride(1), v.stride(2), S, _ptr(m), m_sb, D ** -0.5,
+        out.data_ptr(), _threads())
+    return out
+
+
+def decode_attention(qkv: Tensor, num_heads: int, num_kv_heads: int, cos: Tensor, sin: Tensor,
+                     k_cache: Tensor, v_cache: Tensor, slot: int, mask: Tensor | None,
+                     q_norm: Tensor | None = None, k_norm: Tensor | None = None,
+                     eps: float = 0.0) -> Tensor:
+    """A decoder layer's attention for one new token per sequence, from its q/k/v projection:
+
+    qkv [B, 1, (H + 2 Hkv) D] float32 (q heads, then k, then v) -> q and k per-head RMSNorm
+    with weights q_norm / k_norm [D] (Qwen3; None: none) -> RoPE with cos / sin [B or 1, 1, 1,
+    D] -> k, v written into k_cache / v_cache [B, Hkv, S_max, D] (this layer's cache, unit
+    stride along D) at `slot` -> [B, 1, H D]: the attention of q over slots 0..slot, keys where
+    mask [B or 1, slot + 1] (uint8, 1 = may attend) is 0 skipped (None: all).
+
+    The same math as `Attention.forward` at T = 1 with a KVCache: RoPE to the bit (two rounded
+    products and a sum, as PyTorch), the norms and the attention to fp32 rounding.
+    """
+    B, T, W = qkv.shape
+    H, Hkv = num_heads, num_kv_heads
+    D = W // (H + 2 * Hkv)
+    if (T != 1 or W != (H + 2 * Hkv) * D or D % 8 or H % Hkv or qkv.dtype != torch.float32
+            or not qkv.is_contiguous() or k_cache.stride(-1) != 1
+            or v_cache.stride() != k_cache.stride()
+            or cos.shape[-1] != D or cos.stride(-1) != 1 or sin.stride() != cos.stride()
+            or slot >= k_cache.shape[2] or tuple(k_cache.shape[:2]) != (B, Hkv)):
+        raise ValueError(
+            f"decode_attention: qkv {tuple(qkv.shape)} {qkv.dtype} with {H} + 2 x {Hkv} heads, "
+            f"cache {tuple(k_cache.shape)} strides {k_cache.stride()}, cos {tuple(cos.shape)}, "
+            f"slot {slot}: expects one contiguous float32 token per sequence, D % 8 == 0, "
+            f"H % Hkv == 0, a [B, Hkv, S_max, D] cache with room for the slot"
+        )
+    q_buf = torch.empty(B, H, D, dtype=torch.float32)
+    out = torch.empty(B, 1, H * D, dtype=torch.float32)
+    m_sb = 0 if mask is None or mask.shape[0] == 1 else mask.stride(0)
+    _lib().qarl_decode_attention(
+        qkv.data_ptr(), B, H, Hkv, D, _ptr(q_norm), _ptr(k_norm), eps,
+        cos.data_ptr(), sin.data_ptr(), cos.stride(0) if cos.shape[0] > 1 else 0,
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), slot, _ptr(mask), m_sb, D ** -0.5, q_buf.data_ptr(), out.data_ptr(),
+        _threads())
+    return out
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """x [..., N] float32 -> RMSNorm of each row (x / sqrt(mean(x^2) + eps), times weight [N]
+    when given), as `qarl.model.decoder.RMSNorm` computes it, to fp32 rounding (its own
+    summation order): [..., N] float32."""
+    n = x.shape[-1]
+    x2 = _rows(x, torch.float32, n, "rms_norm")
+    if weight is not None and (weight.dtype != torch.float32 or weight.shape != (n,)):
+        raise ValueError(f"rms_norm: weight must be float32 [{n}], got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    y = torch.empty(x2.shape, dtype=torch.float32)
+    _lib().qarl_rms_norm(x2.data_ptr(), x2.shape[0], n, n, _ptr(weight), eps, y.data_ptr(), n,
+                         _threads())
+    return y.view(x.shape)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """gate_up [..., 2F] float32 (gate columns first) -> silu(gate) * up: [..., F] float32
+    (SwiGLU's product; silu to ~1 ulp of PyTorch's)."""
+    f = gate_up.shape[-1] // 2
+    g2 = _rows(gate_up, torch.float32, 2 * f, "silu_mul")
+    y = torch.empty(g2.shape[0], f, dtype=torch.float32)
+    _lib().qarl_silu_mul(g2.data_ptr(), g2.shape[0], f, y.data_ptr(), _threads())
+    return y.view(*gate_up.shape[:-1], f)
+
+
+def sample_rows(logits: Tensor, temperature: float, u: Tensor) -> Tensor:
+    """One token per row of logits [B, V] float32 drawn from softmax(logits / temperature) by
+    inverse CDF with the uniforms u [B] float64 in [0, 1): the first token whose cumulative
+    probability exceeds u * total (probabilities exp(s - max s) in fp32 with their own exp,
+    sums in fp64). Tokens with -inf logits are never drawn. -> [B] int64."""
+    B, V = logits.shape
+    if (logits.dtype != torch.float32 or logits.stride(-1) != 1 or u.shape != (B,)
+            or u.dtype != torch.float64):
+        raise ValueError(f"sample_rows: logits must be float32 [B, V] with unit stride along V "
+                         f"and u "
+                         f"float64 [B]; got {logits.dtype} {tuple(logits.shape)}, u {u.dtype} "
+                         f"{tuple(u.shape)}")
+    v8 = (V + 7) // 8 * 8
+    p = torch.empty(B, v8, dtype=torch.float32)
+    blocks = torch.empty(B, v8 // 8 + 1, dtype=torch.float64)
+    tokens = torch.empty(B, dtype=torch.int64)
+    u = u.contiguous()
+    _lib().qarl_sample_rows(logits.data_ptr(), B, V, logits.stride(0), temperature, u.data_ptr(),
+                            p.data_ptr(), blocks.data_ptr(), tokens.data_ptr(), _threads())
+    return tokens
+
+
+GEMM_KINDS = {"f32": 0, "s8": 1, "u4-bf16": 2, "u4-s8": 3}  # decode.c's GEMM_*
+
+
+@dataclass(frozen=True)
+class BlockGemm:
+    """One projection of a `DecodeBlock`: kind "f32" (PackedF32), "s8" (PackedS8: W8A8, rows
+    quantized per token as `linear_s8_dynamic`), "u4-bf16" (PackedU4 on bf16-rounded rows:
+    W4A16, as `linear_u4(x, w, round_bf16=True)`) or "u4-s8" (PackedU4 on the int8 codes of
+    the rows times their scales: W4A8); bias [n] or None, added after."""
+
+    kind: str
+    packed: PackedF32 | PackedS8 | PackedU4
+    bias: Tensor | None = None
+
+
+class _Gemm(ctypes.Structure):  # decode.c's qarl_gemm
+    _fields_ = [("kind", ctypes.c_int32), ("group", ctypes.c_int32), ("n", ctypes.c_int64),
+                ("k", ctypes.c_int64), ("w", ctypes.c_void_p), ("s", ctypes.c_void_p),
+                ("z", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class _Block(ctypes.Structure):  # decode.c's qarl_block
+    _fields_ = [("qkv", _Gemm), ("o", _Gemm), ("gate_up", _Gemm), ("down", _Gemm),
+                ("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p), ("qn", ctypes.c_void_p),
+                ("kn", ctypes.c_void_p), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
+                ("qk_eps", ctypes.c_float), ("scale", ctypes.c_float), ("H", ctypes.c_int64),
+                ("Hkv", ctypes.c_int64), ("D", ctypes.c_int64), ("d", ctypes.c_int64),
+                ("ffn", ctypes.c_int64)]
+
+
+def _f32_vector(t: Tensor | None, n: int, what: str) -> Tensor | None:
+    if t is None:
+        return None
+    if t.shape != (n,):
+        raise ValueError(f"DecodeBlock: {what} must have shape [{n}], got {tuple(t.shape)}")
+    return t.detach().float().contiguous()
+
+
+class DecodeBlock:
+    """A decoder block (pre-norm attention with q/k/v stacked, SwiGLU MLP with gate/up stacked)
+    run for one new token per sequence in ONE call, `qarl_decode_block`: every thread enters
+    once and the steps meet at barriers, instead of eight calls (two RMSNorms, four GEMMs,
+    `decode_attention`, `silu_mul`) each paying its Python wrapper, ctypes and the start of a
+    parallel region. Each step is the function the separate calls run, so the result equals
+    them bit for bit. Holds (copies of) the vectors it points to; the packed weights are the
+    caller's and must stay unchanged while it is used."""
+
+    def __init__(self, qkv: BlockGemm, o: BlockGemm, gate_up: BlockGemm, down: BlockGemm,
+                 input_norm: Tensor, post_norm: Tensor, eps: tuple[float, float],
+                 num_heads: int, num_kv_heads: int, head_dim: int,
+                 q_norm: Tensor | None = None, k_norm: Tensor | None = None, qk_eps: float = 0.0):
+        H, Hkv, D = num_heads, num_kv_heads, head_dim
+        d, ffn = o.packed.n, down.packed.k
+        shapes = {"qkv": (qkv, (H + 2 * Hkv) * D, d), "o": (o, d, H * D),
+                  "gate_up": (gate_up, 2 * ffn, d), "down": (down, d, ffn)}
+        for name, (g, n, k) in shapes.items():
+            if g.kind not in GEMM_KINDS or (g.packed.n, g.packed.k) != (n, k):
+                raise ValueError(f"DecodeBlock: {name} must be a {n} x {k} projection of a kind in "
+                                 f"{sorted(GEMM_KINDS)}, got {g.kind} {g.packed.n} x {g.packed.k}")
+        if D % 8 or H % Hkv or (q_norm is None) != (k_norm is None):
+            raise ValueError(f"DecodeBlock: head_dim {D} must be a multiple of 8, {H} heads a "
+                             f"multiple "
+                             f"of {Hkv} key/value heads, q_norm and k_norm both given or neither")
+        keep = [_f32_vector(input_norm, d, "input_norm"), _f32_vector(post_norm, d, "post_norm"),
+                _f32_vector(q_norm, D, "q_norm"), _f32_vector(k_norm, D, "k_norm")]
+        gemms = []
+        for name, (g, n, _) in shapes.items():
+            bias = _f32_vector(g.bias, n, f"{name} bias")
+            keep.append(bias)
+            w = g.packed
+            scales, zeros = getattr(w, "scales", None), getattr(w, "zeros", None)
+            gemms.append(_Gemm(GEMM_KINDS[g.kind], getattr(w, "group_size", 0), n, w.k,
+                               w.data.data_ptr(), _ptr(scales), _ptr(zeros), _ptr(bias)))
+        self._keep = keep  # the vectors the struct points to
+        self.gemms = (qkv, o, gate_up, down)
+        self.num_heads, self.num_kv_heads, self.head_dim, self.hidden = H, Hkv, D, d
+        self._struct = _Block(*gemms, *(_ptr(t) for t in keep[:4]), eps[0], eps[1], qk_eps,
+                              D ** -0.5, H, Hkv, D, d, ffn)
+        self._ref = ctypes.byref(self._struct)
+
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                 slot: int, mask: Tensor | None) -> Tensor:
+        """x [B, 1, d] float32 -> the block's output [B, 1, d]; cos / sin, caches, slot and mask
+        as `decode_attention` (the new k, v are written into the caches at `slot`)."""
+        B, d = x.shape[0], self.hidden
+        if (x.dtype != torch.float32 or x.shape != (B, 1, d) or k_cache.stride(-1) != 1
+                or v_cache.stride() != k_cache.stride() or cos.stride(-1) != 1
+                or sin.stride() != cos.stride() or slot >= k_cache.shape[2]
+                or tuple(k_cache.shape[:2]) != (B, self.num_kv_heads)):
+            raise ValueError(
+                f"DecodeBlock: x {tuple(x.shape)} {x.dtype}, cache {tuple(k_cache.shape)} strides "
+                f"{k_cache.stride()}, slot {slot}: expects float32 [B, 1, {d}] and a [B, "
+                f"{self.num_kv_heads}, S_max, {self.head_dim}] cache with room for the slot"
+            )
+        out = x.contiguous().clone()
+        m_sb = 0 if mask is None or mask.shape[0] == 1 else mask.stride(0)
+        _lib().qarl_decode_block(
+            self._ref, out.data_ptr(), B, cos.data_ptr(), sin.data_ptr(),
+            cos.stride(0) if cos.shape[0] > 1 else 0, k_cache.data_ptr(), v_cache.data_ptr(),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), slot, _ptr(mask), m_sb,
+            _threads())
+        return out

@@ -1,0 +1,156 @@
+"""Packed weights and the three GEMMs (fp32, W8A8 int8, int4 groups): see the package doc."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from qarl.native.ffi import _lib, _ptr, _rows, _threads
+
+NR = 24  # output columns per fp32 / int4 panel (kernels.c)
+NR8 = 16  # output columns per int8 panel
+
+
+def _panels(n: int) -> int:
+    return (n + NR - 1) // NR
+
+
+@dataclass(frozen=True)
+class PackedF32:
+    data: Tensor  # [P * K * 24] float32, panels of 24 output columns, k-major
+    n: int
+    k: int
+
+
+@dataclass(frozen=True)
+class PackedS8:
+    data: Tensor  # [P8 * Kq * 16 * 4] int8 (Kq = ceil(K / 4)), 4 consecutive k per column
+    scales: Tensor  # [P8 * 16] float32 per-channel weight scales, zero padded
+    n: int
+    k: int
+
+
+@dataclass(frozen=True)
+class PackedU4:
+    data: Tensor  # [P * K/2 * 24] uint8, two k per byte (low nibble first)
+    scales: Tensor  # [P * G * 24] float32
+    zeros: Tensor | None  # [P * G * 24] float32 or None (symmetric)
+    group_size: int
+    n: int
+    k: int
+
+
+def pack_f32(w: Tensor) -> PackedF32:
+    """w [N, K] float32 -> packed panels (a one-time copy of the weight)."""
+    if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
+        raise ValueError(f"pack_f32 expects a 2-D CPU float32 weight, got {w.dtype} {tuple(w.shape)}")
+    w = w.detach().contiguous()
+    n, k = w.shape
+    out = torch.empty(_panels(n) * k * NR, dtype=torch.float32)
+    _lib().qarl_pack_f32(w.data_ptr(), n, k, k, out.data_ptr(), _threads())
+    return PackedF32(out, n, k)
+
+
+def linear_f32(x: Tensor, w: PackedF32, bias: Tensor | None = None,
+               residual: Tensor | None = None) -> Tensor:
+    """x [..., K] float32 -> x W^T (+ bias [N]) (+ residual [..., N]): [..., N] float32."""
+    x2 = _rows(x, torch.float32, w.k, "linear_f32")
+    m = x2.shape[0]
+    y = torch.empty(m, w.n, dtype=torch.float32)
+    b = None if bias is None else bias.detach().float().contiguous()
+    r = None if residual is None else residual.reshape(m, w.n).float().contiguous()
+    _lib().qarl_linear_f32(x2.data_ptr(), m, w.k, w.k, w.data.data_ptr(), w.n, _ptr(b), _ptr(r),
+                           w.n, y.data_ptr(), w.n, _threads())
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], w.n)
+
+
+def pack_s8(codes: Tensor, scales: Tensor) -> PackedS8:
+    """codes [N, K] int8 in [-127, 127], scales [N] float32 (per output channel) -> packed.
+
+    -128 is refused: the kernel moves signs onto the weight, and -(-128) does not fit int8.
+    """
+    if codes.dim() != 2 or codes.dtype != torch.int8 or scales.shape != codes.shape[:1]:
+        raise ValueError(f"pack_s8 expects int8 codes [N, K] and scales [N], got "
+                         f"{codes.dtype} {tuple(codes.shape)}, {tuple(scales.shape)}")
+    if codes.numel() and int(codes.min()) == -128:
+        raise ValueError("pack_s8: weight codes must lie in [-127, 127] (symmetric int8); "
+                         "got -128. Quantize with numerics.int8_rows, which clamps to 127.")
+    codes = codes.contiguous()
+    n, k = codes.shape
+    p8 = (n + NR8 - 1) // NR8
+    out = torch.empty(p8 * ((k + 3) // 4) * 4 * NR8, dtype=torch.int8)
+    _lib().qarl_pack_s8(codes.data_ptr(), n, k, k, out.data_ptr(), _threads())
+    ws = torch.zeros(p8 * NR8, dtype=torch.float32)
+    ws[:n] = scales.float()
+    return PackedS8(out, ws, n, k)
+
+
+def linear_s8(xq: Tensor, xs: Tensor, w: PackedS8) -> Tensor:
+    """xq [M, K] int8 codes, xs [M] float32 scales -> (sum_k xq w) * xs * ws: [M, N] float32."""
+    x2 = _rows(xq, torch.int8, w.k, "linear_s8")
+    m = x2.shape[0]
+    xs = xs.float().contiguous()
+    if xs.numel() != m:
+        raise ValueError(f"linear_s8: {m} rows but {xs.numel()} activation scales")
+    y = torch.empty(m, w.n, dtype=torch.float32)
+    _lib().qarl_linear_s8(x2.data_ptr(), m, w.k, w.k, xs.data_ptr(), w.data.data_ptr(),
+                          w.scales.data_ptr(), w.n, y.data_ptr(), w.n, _threads())
+    return y
+
+
+def quantize_rows_s8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [M, K] float32 -> codes [M, K] int8, scales [M] float32: numerics.int8_rows, exactly."""
+    x2 = _rows(x, torch.float32, x.shape[-1], "quantize_rows_s8")
+    m, k = x2.shape
+    codes = torch.empty(m, k, dtype=torch.int8)
+    scales = torch.empty(m, dtype=torch.float32)
+    _lib().qarl_quantize_rows_s8(x2.data_ptr(), m, k, k, codes.data_ptr(), scales.data_ptr())
+    return codes, scales
+
+
+def linear_s8_dynamic(x: Tensor, w: PackedS8) -> Tensor:
+    """x [M, K] float32 -> linear_s8(*quantize_rows_s8(x), w) in one call: [M, N] float32."""
+    x2 = _rows(x, torch.float32, w.k, "linear_s8_dynamic")
+    m = x2.shape[0]
+    y = torch.empty(m, w.n, dtype=torch.float32)
+    _lib().qarl_linear_s8_dynamic(x2.data_ptr(), m, w.k, w.k, w.data.data_ptr(),
+                                  w.scales.data_ptr(), w.n, y.data_ptr(), w.n,
+                                  _threads())
+    return y
+
+
+def _group_panels(t: Tensor, n: int) -> Tensor:
+    # [N, G] -> [P, G, 24] float32, columns past N zero
+    p = _panels(n)
+    out = torch.zeros(p * NR, t.shape[1], dtype=torch.float32)
+    out[:n] = t.float()
+    return out.view(p, NR, -1).transpose(1, 2).contiguous()
+
+
+def pack_u4(u: Tensor, scales: Tensor, zeros: Tensor | None, group_size: int) -> PackedU4:
+    """u [N, K] uint8 in [0, 15], scales/zeros [N, K/group] (w = (u - 8) s + z) -> packed."""
+    n, k = u.shape
+    if u.dtype != torch.uint8 or k % group_size or k % 2 or scales.shape != (n, k // group_size):
+        raise ValueError(
+            f"pack_u4 expects uint8 codes [N, K] with K a multiple of group_size={group_size} "
+            f"and scales [N, K/group]; got {u.dtype} {tuple(u.shape)}, {tuple(scales.shape)}"
+        )
+    u = u.contiguous()
+    out = torch.empty(_panels(n) * (k // 2) * NR, dtype=torch.uint8)
+    _lib().qarl_pack_u4(u.data_ptr(), n, k, k, out.data_ptr(), _threads())
+    z = None if zeros is None else _group_panels(zeros, n)
+    return PackedU4(out, _group_panels(scales, n), z, group_size, n, k)
+
+
+def linear_u4(x: Tensor, w: PackedU4, round_bf16: bool = False) -> Tensor:
+    """x [M, K] float32 -> x dequant(W)^T: [M, N] float32. round_bf16: x rounded to bf16 first
+    (to nearest even, the same bits as x.bfloat16().float()), the A16 of W4A16."""
+    x2 = _rows(x, torch.float32, w.k, "linear_u4")
+    m = x2.shape[0]
+    y = torch.empty(m, w.n, dtype=torch.float32)
+    _lib().qarl_linear_u4(x2.data_ptr(), m, w.k, w.k, w.data.data_ptr(), w.scales.data_ptr(),
+                          _ptr(w.zeros), w.group_size, w.n, int(round_bf16), y.data_ptr(), w.n,
+                          _threads())
+    return y

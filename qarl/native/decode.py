@@ -37,6 +37,25 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tenso
     return out
 
 
+def _step_args(what: str, B: int, Hkv: int, D: int, cos: Tensor, sin: Tensor, k_cache: Tensor,
+               v_cache: Tensor, slot: int, mask: Tensor | None) -> tuple:
+    """The arguments a one-token step takes after its own (cos, sin and their row stride; the
+    caches, their strides and the slot; the mask and its row stride), checked."""
+    if (k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride()
+            or tuple(k_cache.shape[:2]) != (B, Hkv) or k_cache.shape[3] != D
+            or slot >= k_cache.shape[2]
+            or cos.shape[-1] != D or cos.stride(-1) != 1 or sin.stride() != cos.stride()):
+        raise ValueError(
+            f"{what}: cache {tuple(k_cache.shape)} strides {k_cache.stride()}, cos "
+            f"{tuple(cos.shape)}, slot {slot}: expects a [{B}, {Hkv}, S_max, {D}] cache (unit "
+            f"stride along D, v like k) with room for the slot, and cos / sin rows of {D}"
+        )
+    m_sb = 0 if mask is None or mask.shape[0] == 1 else mask.stride(0)
+    return (cos.data_ptr(), sin.data_ptr(), cos.stride(0) if cos.shape[0] > 1 else 0,
+            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), slot, _ptr(mask), m_sb)
+
+
 def decode_attention(qkv: Tensor, num_heads: int, num_kv_heads: int, cos: Tensor, sin: Tensor,
                      k_cache: Tensor, v_cache: Tensor, slot: int, mask: Tensor | None,
                      q_norm: Tensor | None = None, k_norm: Tensor | None = None,
@@ -56,25 +75,16 @@ def decode_attention(qkv: Tensor, num_heads: int, num_kv_heads: int, cos: Tensor
     H, Hkv = num_heads, num_kv_heads
     D = W // (H + 2 * Hkv)
     if (T != 1 or W != (H + 2 * Hkv) * D or D % 8 or H % Hkv or qkv.dtype != torch.float32
-            or not qkv.is_contiguous() or k_cache.stride(-1) != 1
-            or v_cache.stride() != k_cache.stride()
-            or cos.shape[-1] != D or cos.stride(-1) != 1 or sin.stride() != cos.stride()
-            or slot >= k_cache.shape[2] or tuple(k_cache.shape[:2]) != (B, Hkv)):
+            or not qkv.is_contiguous()):
         raise ValueError(
-            f"decode_attention: qkv {tuple(qkv.shape)} {qkv.dtype} with {H} + 2 x {Hkv} heads, "
-            f"cache {tuple(k_cache.shape)} strides {k_cache.stride()}, cos {tuple(cos.shape)}, "
-            f"slot {slot}: expects one contiguous float32 token per sequence, D % 8 == 0, "
-            f"H % Hkv == 0, a [B, Hkv, S_max, D] cache with room for the slot"
+            f"decode_attention: qkv {tuple(qkv.shape)} {qkv.dtype} with {H} + 2 x {Hkv} heads: "
+            f"expects one contiguous float32 token per sequence, D % 8 == 0, H % Hkv == 0"
         )
+    step = _step_args("decode_attention", B, Hkv, D, cos, sin, k_cache, v_cache, slot, mask)
     q_buf = torch.empty(B, H, D, dtype=torch.float32)
     out = torch.empty(B, 1, H * D, dtype=torch.float32)
-    m_sb = 0 if mask is None or mask.shape[0] == 1 else mask.stride(0)
-    _lib().qarl_decode_attention(
-        qkv.data_ptr(), B, H, Hkv, D, _ptr(q_norm), _ptr(k_norm), eps,
-        cos.data_ptr(), sin.data_ptr(), cos.stride(0) if cos.shape[0] > 1 else 0,
-        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), slot, _ptr(mask), m_sb, D ** -0.5, q_buf.data_ptr(), out.data_ptr(),
-        _threads())
+    _lib().qarl_decode_attention(qkv.data_ptr(), B, H, Hkv, D, _ptr(q_norm), _ptr(k_norm), eps,
+                                 *step, D ** -0.5, q_buf.data_ptr(), out.data_ptr(), _threads())
     return out
 
 
@@ -112,9 +122,8 @@ def sample_rows(logits: Tensor, temperature: float, u: Tensor) -> Tensor:
     if (logits.dtype != torch.float32 or logits.stride(-1) != 1 or u.shape != (B,)
             or u.dtype != torch.float64):
         raise ValueError(f"sample_rows: logits must be float32 [B, V] with unit stride along V "
-                         f"and u "
-                         f"float64 [B]; got {logits.dtype} {tuple(logits.shape)}, u {u.dtype} "
-                         f"{tuple(u.shape)}")
+                         f"and u float64 [B]; got {logits.dtype} {tuple(logits.shape)}, u "
+                         f"{u.dtype} {tuple(u.shape)}")
     v8 = (V + 7) // 8 * 8
     p = torch.empty(B, v8, dtype=torch.float32)
     blocks = torch.empty(B, v8 // 8 + 1, dtype=torch.float64)
@@ -169,8 +178,8 @@ class DecodeBlock:
     once and the steps meet at barriers, instead of eight calls (two RMSNorms, four GEMMs,
     `decode_attention`, `silu_mul`) each paying its Python wrapper, ctypes and the start of a
     parallel region. Each step is the function the separate calls run, so the result equals
-    them bit for bit. Holds (copies of) the vectors it points to; the packed weights are the
-    caller's and must stay unchanged while it is used."""
+    them bit for bit. Holds what its struct points to: copies of the norm weights and biases,
+    and the caller's packed weights, which must not be modified in place while it is used."""
 
     def __init__(self, qkv: BlockGemm, o: BlockGemm, gate_up: BlockGemm, down: BlockGemm,
                  input_norm: Tensor, post_norm: Tensor, eps: tuple[float, float],
@@ -186,8 +195,8 @@ class DecodeBlock:
                                  f"{sorted(GEMM_KINDS)}, got {g.kind} {g.packed.n} x {g.packed.k}")
         if D % 8 or H % Hkv or (q_norm is None) != (k_norm is None):
             raise ValueError(f"DecodeBlock: head_dim {D} must be a multiple of 8, {H} heads a "
-                             f"multiple "
-                             f"of {Hkv} key/value heads, q_norm and k_norm both given or neither")
+                             f"multiple of {Hkv} key/value heads, q_norm and k_norm both given "
+                             f"or neither")
         keep = [_f32_vector(input_norm, d, "input_norm"), _f32_vector(post_norm, d, "post_norm"),
                 _f32_vector(q_norm, D, "q_norm"), _f32_vector(k_norm, D, "k_norm")]
         gemms = []
@@ -198,8 +207,7 @@ class DecodeBlock:
             scales, zeros = getattr(w, "scales", None), getattr(w, "zeros", None)
             gemms.append(_Gemm(GEMM_KINDS[g.kind], getattr(w, "group_size", 0), n, w.k,
                                w.data.data_ptr(), _ptr(scales), _ptr(zeros), _ptr(bias)))
-        self._keep = keep  # the vectors the struct points to
-        self.gemms = (qkv, o, gate_up, down)
+        self._keep = (keep, qkv, o, gate_up, down)  # alive as long as the struct points at them
         self.num_heads, self.num_kv_heads, self.head_dim, self.hidden = H, Hkv, D, d
         self._struct = _Block(*gemms, *(_ptr(t) for t in keep[:4]), eps[0], eps[1], qk_eps,
                               D ** -0.5, H, Hkv, D, d, ffn)
@@ -210,20 +218,11 @@ class DecodeBlock:
         """x [B, 1, d] float32 -> the block's output [B, 1, d]; cos / sin, caches, slot and mask
         as `decode_attention` (the new k, v are written into the caches at `slot`)."""
         B, d = x.shape[0], self.hidden
-        if (x.dtype != torch.float32 or x.shape != (B, 1, d) or k_cache.stride(-1) != 1
-                or v_cache.stride() != k_cache.stride() or cos.stride(-1) != 1
-                or sin.stride() != cos.stride() or slot >= k_cache.shape[2]
-                or tuple(k_cache.shape[:2]) != (B, self.num_kv_heads)):
-            raise ValueError(
-                f"DecodeBlock: x {tuple(x.shape)} {x.dtype}, cache {tuple(k_cache.shape)} strides "
-                f"{k_cache.stride()}, slot {slot}: expects float32 [B, 1, {d}] and a [B, "
-                f"{self.num_kv_heads}, S_max, {self.head_dim}] cache with room for the slot"
-            )
-        out = x.contiguous().clone()
-        m_sb = 0 if mask is None or mask.shape[0] == 1 else mask.stride(0)
-        _lib().qarl_decode_block(
-            self._ref, out.data_ptr(), B, cos.data_ptr(), sin.data_ptr(),
-            cos.stride(0) if cos.shape[0] > 1 else 0, k_cache.data_ptr(), v_cache.data_ptr(),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), slot, _ptr(mask), m_sb,
-            _threads())
+        if x.dtype != torch.float32 or x.shape != (B, 1, d):
+            raise ValueError(f"DecodeBlock: x {tuple(x.shape)} {x.dtype}: expects float32 "
+                             f"[B, 1, {d}]")
+        step = _step_args("DecodeBlock", B, self.num_kv_heads, self.head_dim, cos, sin, k_cache,
+                          v_cache, slot, mask)
+        out = x.clone(memory_format=torch.contiguous_format)  # updated in place by the call
+        _lib().qarl_decode_block(self._ref, out.data_ptr(), B, *step, _threads())
         return out

@@ -125,13 +125,14 @@ def fused_block_forward(
 ) -> Tensor:
     """`Block.forward` (same arguments, same math) on packed, fused weights. x: [B, T, d]."""
     attn, mlp = block.self_attn, block.mlp
-    if packs.native is not None and _native_decode_ok(attn, x, cache):
+    native_step = _native_decode_ok(attn, x, cache)
+    if native_step and packs.native is not None:
         # one token per sequence: the whole block in one call (= the steps below, bit for bit)
         return packs.native(x, cos, sin, cache.k[layer], cache.v[layer], cache_start,
                             _mask_bytes(mask))
     h = _rms_norm(block.input_layernorm, x)
     qkv = linear(h, packs.qkv, packs.qkv_bias)  # [B, T, (H + 2 Hkv) D]
-    if _native_decode_ok(attn, x, cache):
+    if native_step:
         out = _attention_decode(attn, qkv, cos, sin, mask, cache, layer, cache_start)  # [B, 1, H D]
     else:
         out = _attention(attn, qkv, cos, sin, mask, cache, layer, cache_start)

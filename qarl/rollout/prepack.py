@@ -46,7 +46,6 @@ other rows).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import replace
 from functools import partial
 
 import torch
@@ -191,38 +190,35 @@ class _Same:
 
 
 def _pack_quant_block(block: Block) -> BlockPacks:
-    gemms = []
-
     def stacked(stack):
+        # -> the stack's QuantPack, its bias, and its native.BlockGemm (None: not native here)
         qw = stack[0].qweight() if len(stack) == 1 else stack_rows([lin.qweight() for lin in stack])
         scheme, device = stack[0].scheme, qw.codes.device
         bias = _stacked_bias(stack)
         operand = scheme.native_operand(qw, device)
-        gemms.append(None if operand is None else native.BlockGemm(*operand, bias))
-        return QuantPack(scheme.bound(qw, device), qw.shape[0]), bias
+        gemm = None if operand is None else native.BlockGemm(*operand, bias)
+        return QuantPack(scheme.bound(qw, device), qw.shape[0]), bias, gemm
 
-    a, m = block.self_attn, block.mlp
-    (qkv, qkv_bias), (gate_up, gate_up_bias) = (stacked(s) for s in _stacks(block))
-    o, down = stacked([a.o_proj])[0], stacked([m.down_proj])[0]
-    packs = BlockPacks(qkv=qkv, qkv_bias=qkv_bias, o=o, gate_up=gate_up,
-                       gate_up_bias=gate_up_bias, down=down)
-    qkv_g, gate_up_g, o_g, down_g = gemms  # in the order stacked() ran
-    return replace(packs, native=_native_block(block, qkv_g, o_g, gate_up_g, down_g))
+    (qkv_stack, gate_up_stack), a, m = _stacks(block), block.self_attn, block.mlp
+    stacks = (qkv_stack, [a.o_proj], gate_up_stack, [m.down_proj])
+    qkv, o, gate_up, down = (stacked(s) for s in stacks)
+    return BlockPacks(qkv=qkv[0], qkv_bias=qkv[1], o=o[0], gate_up=gate_up[0],
+                      gate_up_bias=gate_up[1], down=down[0],
+                      native=_native_block(block, qkv[2], o[2], gate_up[2], down[2]))
 
 
 def _pack_block(block: Block, batch_hint: int) -> BlockPacks:
     a, m = block.self_attn, block.mlp
     (qkv, qkv_bias), (gate_up, gate_up_bias) = (_stacked(s, batch_hint) for s in _stacks(block))
-    packs = BlockPacks(qkv=qkv, qkv_bias=qkv_bias, o=_pack(a.o_proj.weight, batch_hint),
-                       gate_up=gate_up, gate_up_bias=gate_up_bias,
-                       down=_pack(m.down_proj.weight, batch_hint))
-    if not isinstance(qkv, native.PackedF32):
-        return packs  # oneDNN-packed: no native kernels here
-    gemms = [native.BlockGemm("f32", packs.qkv, qkv_bias),
-             native.BlockGemm("f32", packs.o, a.o_proj.bias),
-             native.BlockGemm("f32", gate_up, gate_up_bias),
-             native.BlockGemm("f32", packs.down, m.down_proj.bias)]
-    return replace(packs, native=_native_block(block, *gemms))
+    o, down = _pack(a.o_proj.weight, batch_hint), _pack(m.down_proj.weight, batch_hint)
+    decode = None
+    if isinstance(qkv, native.PackedF32):  # else oneDNN-packed: no native kernels here
+        decode = _native_block(block, native.BlockGemm("f32", qkv, qkv_bias),
+                               native.BlockGemm("f32", o, a.o_proj.bias),
+                               native.BlockGemm("f32", gate_up, gate_up_bias),
+                               native.BlockGemm("f32", down, m.down_proj.bias))
+    return BlockPacks(qkv=qkv, qkv_bias=qkv_bias, o=o, gate_up=gate_up, gate_up_bias=gate_up_bias,
+                      down=down, native=decode)
 
 
 def _native_block(block: Block, qkv, o, gate_up, down) -> native.DecodeBlock | None:
@@ -230,10 +226,9 @@ def _native_block(block: Block, qkv, o, gate_up, down) -> native.DecodeBlock | N
     norms = (block.input_layernorm, block.post_attention_layernorm)
     if None in (qkv, o, gate_up, down) or any(type(n) is not RMSNorm for n in norms):
         return None
-    a, m = block.self_attn, block.mlp
+    a = block.self_attn
     if a.head_dim % 8:
         return None
-    o, down = replace(o, bias=a.o_proj.bias), replace(down, bias=m.down_proj.bias)
     q_norm = k_norm = None
     qk_eps = 0.0
     if a.q_norm is not None:

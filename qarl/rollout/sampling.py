@@ -70,18 +70,20 @@ def sampler_logprobs(logits: Tensor, tokens: Tensor, sampling: SamplingParams) -
     return token_logprobs(logits, tokens, sampling.temperature)
 
 
-def inverse_cdf(scaled: Tensor, u: Tensor) -> Tensor:
-    """One draw per row from softmax(scaled): the first token whose cumulative probability
-    exceeds u * total. scaled: [B, V] float32 (logits / T, -inf where truncated); u: [B]
+def inverse_cdf(logits: Tensor, u: Tensor, temperature: float = 1.0) -> Tensor:
+    """One draw per row from softmax(logits / temperature): the first token whose cumulative
+    probability exceeds u * total. logits: [B, V] float32 (-inf where truncated); u: [B]
     float64 uniforms in [0, 1) -> [B] int64.
 
     One uniform per row instead of Gumbel-max's one exponential per vocabulary entry (~22 ms
     per step at batch 16 over a 49k vocabulary on the development CPU, more than the model):
-    qarl.native's one-pass kernel where it runs, else the same method in PyTorch ops (fp64
-    cumulative sums). The two agree except where a cumulative sum lands within rounding of
-    u * total, so a seed's draws can differ in rare tokens between the two paths."""
-    if native.available() and scaled.is_cpu:
-        return native.sample_rows(scaled.contiguous(), 1.0, u)
+    qarl.native's one-pass kernel where it runs (it divides by the temperature itself, the same
+    fp32 division), else the same method in PyTorch ops (fp64 cumulative sums). The two agree
+    except where a cumulative sum lands within rounding of u * total, so a seed's draws can
+    differ in rare tokens between the two paths."""
+    if native.available() and logits.is_cpu:
+        return native.sample_rows(logits.float().contiguous(), temperature, u)
+    scaled = logits.float() / temperature
     probs = (scaled - scaled.amax(dim=-1, keepdim=True)).exp()  # [B, V], exactly 0 at -inf
     cum = probs.cumsum(dim=-1, dtype=torch.float64)  # [B, V]
     target = (u.to(cum.device) * cum[:, -1])[:, None]  # [B, 1]
@@ -102,12 +104,12 @@ def sample(
     if sampling.greedy:
         tokens = logits.argmax(dim=-1)
         return tokens, token_logprobs(logits, tokens, 1.0)
-    scaled = logits.float() / sampling.temperature  # [B, V] float32
-    truncated = sampling.top_k > 0 or sampling.top_p < 1.0
-    if truncated:
-        scaled = truncate_logits(scaled, sampling.top_k, sampling.top_p)
-    tokens = inverse_cdf(scaled, torch.rand(len(scaled), generator=generator, dtype=torch.float64))
-    if truncated:
+    u = torch.rand(len(logits), generator=generator, dtype=torch.float64)  # [B]
+    if sampling.top_k > 0 or sampling.top_p < 1.0:
+        scaled = truncate_logits(logits.float() / sampling.temperature, sampling.top_k,
+                                 sampling.top_p)  # [B, V] float32
+        tokens = inverse_cdf(scaled, u)
         return tokens, token_logprobs(scaled, tokens, 1.0)
+    tokens = inverse_cdf(logits, u, sampling.temperature)
     # The learner's exact computation: same function, same logits, same temperature.
     return tokens, token_logprobs(logits, tokens, sampling.temperature)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from qarl.native.build import why_unavailable
 from qarl.native.decode import (
-    GEMM_KINDS, BlockGemm, DecodeBlock, attend_decode, decode_attention, rms_norm, sample_rows,
+    BlockGemm, GemmKind, DecodeBlock, attend_decode, decode_attention, rms_norm, sample_rows,
     silu_mul,
 )
 from qarl.native.ffi import available
@@ -30,5 +30,5 @@ __all__ = [
     "available", "why_unavailable", "PackedF32", "PackedS8", "PackedU4",
     "pack_f32", "pack_s8", "pack_u4", "linear_f32", "linear_s8", "linear_s8_dynamic",
     "linear_u4", "quantize_rows_s8", "attend_decode", "decode_attention", "rms_norm", "silu_mul",
-    "BlockGemm", "DecodeBlock", "sample_rows", "GEMM_KINDS", "NR", "NR8",
+    "BlockGemm", "DecodeBlock", "sample_rows", "GemmKind", "NR", "NR8",
 ]

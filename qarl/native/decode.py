@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from enum import IntEnum
 
 import torch
 from torch import Tensor
@@ -134,17 +135,23 @@ def sample_rows(logits: Tensor, temperature: float, u: Tensor) -> Tensor:
     return tokens
 
 
-GEMM_KINDS = {"f32": 0, "s8": 1, "u4-bf16": 2, "u4-s8": 3}  # decode.c's GEMM_*
+class GemmKind(IntEnum):
+    """How a `DecodeBlock` runs one projection (the values are decode.c's GEMM_*). Which kind
+    a layer has is the quantization scheme's answer (`Scheme.native_operand`), never a
+    string matched here."""
+
+    F32 = 0  # PackedF32: linear_f32
+    S8 = 1  # PackedS8: W8A8, rows quantized per token as linear_s8_dynamic
+    U4_BF16 = 2  # PackedU4 on bf16-rounded rows: linear_u4(x, w, round_bf16=True)
+    U4_S8 = 3  # PackedU4 on the int8 codes of the rows, times their scales
 
 
 @dataclass(frozen=True)
 class BlockGemm:
-    """One projection of a `DecodeBlock`: kind "f32" (PackedF32), "s8" (PackedS8: W8A8, rows
-    quantized per token as `linear_s8_dynamic`), "u4-bf16" (PackedU4 on bf16-rounded rows:
-    W4A16, as `linear_u4(x, w, round_bf16=True)`) or "u4-s8" (PackedU4 on the int8 codes of
-    the rows times their scales: W4A8); bias [n] or None, added after."""
+    """One projection of a `DecodeBlock`: its kind, packed weight and bias [n] or None (added
+    after)."""
 
-    kind: str
+    kind: GemmKind
     packed: PackedF32 | PackedS8 | PackedU4
     bias: Tensor | None = None
 
@@ -190,9 +197,9 @@ class DecodeBlock:
         shapes = {"qkv": (qkv, (H + 2 * Hkv) * D, d), "o": (o, d, H * D),
                   "gate_up": (gate_up, 2 * ffn, d), "down": (down, d, ffn)}
         for name, (g, n, k) in shapes.items():
-            if g.kind not in GEMM_KINDS or (g.packed.n, g.packed.k) != (n, k):
-                raise ValueError(f"DecodeBlock: {name} must be a {n} x {k} projection of a kind in "
-                                 f"{sorted(GEMM_KINDS)}, got {g.kind} {g.packed.n} x {g.packed.k}")
+            if not isinstance(g.kind, GemmKind) or (g.packed.n, g.packed.k) != (n, k):
+                raise ValueError(f"DecodeBlock: {name} must be a {n} x {k} projection with a "
+                                 f"GemmKind, got {g.kind!r} {g.packed.n} x {g.packed.k}")
         if D % 8 or H % Hkv or (q_norm is None) != (k_norm is None):
             raise ValueError(f"DecodeBlock: head_dim {D} must be a multiple of 8, {H} heads a "
                              f"multiple of {Hkv} key/value heads, q_norm and k_norm both given "
@@ -205,7 +212,7 @@ class DecodeBlock:
             keep.append(bias)
             w = g.packed
             scales, zeros = getattr(w, "scales", None), getattr(w, "zeros", None)
-            gemms.append(_Gemm(GEMM_KINDS[g.kind], getattr(w, "group_size", 0), n, w.k,
+            gemms.append(_Gemm(int(g.kind), getattr(w, "group_size", 0), n, w.k,
                                w.data.data_ptr(), _ptr(scales), _ptr(zeros), _ptr(bias)))
         self._keep = (keep, qkv, o, gate_up, down)  # alive as long as the struct points at them
         self.num_heads, self.num_kv_heads, self.head_dim, self.hidden = H, Hkv, D, d

@@ -39,10 +39,11 @@ from qarl.quant.apply import (
 from qarl.quant.kernels import batch_invariant_linear
 from qarl.quant.linear import MODES, QuantLinear
 from qarl.quant.qweight import QWeight
+from qarl.quant.scheme_base import run_rows
 from qarl.quant.schemes import SCHEMES, Scheme, make_scheme, scheme_of, scheme_options
 
 __all__ = [
     "DEFAULT_INCLUDE", "MODES", "QWeight", "QuantLinear", "SCHEMES", "Scheme",
     "batch_invariant_linear", "describe", "export_state", "load_state", "make_scheme",
-    "quant_layers", "quantize_model", "scheme_of", "scheme_options", "set_mode",
+    "quant_layers", "quantize_model", "run_rows", "scheme_of", "scheme_options", "set_mode",
 ]

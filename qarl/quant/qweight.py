@@ -87,27 +87,3 @@ class QWeight:
     def nbytes(self) -> int:
         """Bytes of the serialized codes and scales (what a push moves)."""
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
-
-
-ROW_STACKABLE = ("none", "w8a8-int8", "w8a8-fp8", "w4a16-int4", "w4a8-int")
-
-
-def stack_rows(qws: list[QWeight]) -> QWeight:
-    """The QWeights of layers that share an input (q/k/v, gate/up), stacked along the output
-    dimension into one: [sum N_i, K]. Exact, because these formats quantize every output row
-    on its own (per-channel scales, or groups along K), so row n of the stack has the codes and
-    scales it had in its layer and a kernel computes it the same way. FP8-block (128x128 tiles
-    across rows) and NVFP4 (one global scale per tensor) are not row-separable."""
-    first = qws[0]
-    if first.scheme not in ROW_STACKABLE:
-        raise ValueError(f"stack_rows: {first.scheme!r} is not row-separable; "
-                         f"stackable schemes: {list(ROW_STACKABLE)}")
-    layout = lambda q: (q.scheme, q.shape[1], q.group_size, q.symmetric, q.codes.dtype)  # noqa: E731
-    if any(layout(q) != layout(first) for q in qws):
-        raise ValueError(f"stack_rows needs one scheme, input size and layout; got "
-                         f"{[layout(q) for q in qws]}")
-    cat = lambda name: None if getattr(first, name) is None else torch.cat(  # noqa: E731
-        [getattr(q, name) for q in qws])
-    rows = sum(q.shape[0] for q in qws)
-    return QWeight(first.scheme, (rows, first.shape[1]), cat("codes"), cat("scales"), cat("zeros"),
-                   None, first.group_size, first.symmetric)

@@ -54,6 +54,13 @@ class Scheme:
     """Base: shared input checks, flattening and bias; subclasses define the math."""
 
     name = "base"
+    # Row n of the weight is quantized from row n alone (per-channel scales, or groups along
+    # K): the layers that share an input can be stacked into one QWeight (`stack_rows`) and
+    # run as one GEMM with exactly each layer's outputs.
+    row_separable = False
+    # The format leaves weights and activations as they are (full precision): a model under
+    # it computes what the unquantized model computes.
+    is_identity = False
 
     def options(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -71,8 +78,8 @@ class Scheme:
         bias)` bit for bit)."""
         return lambda rows: self._linear(rows, qw)
 
-    def native_operand(self, qw: QWeight, device: torch.device) -> tuple[str, object] | None:
-        """(kind, packed weight) when this format's linear on `device` is one of qarl.native's
+    def native_operand(self, qw: QWeight, device: torch.device) -> tuple[nat.GemmKind, object] | None:
+        """(native.GemmKind, packed weight) when this format's linear on `device` is one of qarl.native's
         GEMMs, in the form a `qarl.native.DecodeBlock` calls it (`qarl.native.BlockGemm`),
         computing exactly what `bound(qw, device)` computes; None otherwise."""
         return None
@@ -101,6 +108,26 @@ class Scheme:
         if K.native_f32_ok(device, qw):
             return "native fp32 GEMM (qarl.native, one fma chain per output)"
         return f"batch_invariant_linear ({K.BI_TILE}-row tiles)"
+
+    def stack_rows(self, qws: list[QWeight]) -> QWeight:
+        """The QWeights of layers that share an input (q/k/v, gate/up), stacked along the
+        output dimension into one: [sum N_i, K]. Exact for a row-separable format: row n of
+        the stack has the codes and scales it had in its layer, and the kernel computes it
+        the same way. FP8-block (128x128 tiles across rows) and NVFP4 (one global scale per
+        tensor) are not row-separable."""
+        if not self.row_separable:
+            raise ValueError(f"stack_rows: {self.name!r} is not row-separable; ask "
+                             f"`scheme.row_separable` before stacking")
+        first = qws[0]
+        layout = lambda q: (q.scheme, q.shape[1], q.group_size, q.symmetric, q.codes.dtype)  # noqa: E731
+        if first.scheme != self.name or any(layout(q) != layout(first) for q in qws):
+            raise ValueError(f"stack_rows needs QWeights of {self.name!r} with one input size "
+                             f"and layout; got {[layout(q) for q in qws]}")
+        cat = lambda name: None if getattr(first, name) is None else torch.cat(  # noqa: E731
+            [getattr(q, name) for q in qws])
+        rows = sum(q.shape[0] for q in qws)
+        return QWeight(first.scheme, (rows, first.shape[1]), cat("codes"), cat("scales"),
+                       cat("zeros"), None, first.group_size, first.symmetric)
 
     def check_weight(self, w: Tensor) -> None:
         if w.dim() != 2:

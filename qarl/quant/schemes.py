@@ -29,6 +29,8 @@ class NoneScheme(Scheme):
     """Full precision. The QWeight holds a copy of the weight; linear is the batch-invariant GEMM."""
 
     name = "none"
+    row_separable = True
+    is_identity = True
 
     def quantize(self, w: Tensor) -> QWeight:
         self.check_weight(w)
@@ -43,10 +45,10 @@ class NoneScheme(Scheme):
     def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
         return self.float_gemm(x, qw, lambda: qw.codes)
 
-    def native_operand(self, qw: QWeight, device: torch.device) -> tuple[str, object] | None:
+    def native_operand(self, qw: QWeight, device: torch.device) -> tuple[nat.GemmKind, object] | None:
         if not K.native_f32_ok(device, qw):
             return None
-        return "f32", self.native_f32(qw, device, lambda: qw.codes)
+        return nat.GemmKind.F32, self.native_f32(qw, device, lambda: qw.codes)
 
     def kernel_path(self, device: torch.device, qw: QWeight) -> str:
         return f"{self.float_gemm_path(device, qw)} in the weight's dtype: no quantization"
@@ -61,6 +63,7 @@ class Int8Scheme(Scheme):
 
     gemm: str = "auto"
     name = "w8a8-int8"
+    row_separable = True
 
     def __post_init__(self):
         if self.gemm not in INT8_GEMMS:
@@ -90,8 +93,8 @@ class Int8Scheme(Scheme):
     def _native(self, qw: QWeight, device: torch.device) -> nat.PackedS8:
         return self.prepared(qw, device, "native-s8", lambda: nat.pack_s8(qw.codes, qw.scales))
 
-    def native_operand(self, qw: QWeight, device: torch.device) -> tuple[str, object] | None:
-        return ("s8", self._native(qw, device)) if self.method(device) == "native" else None
+    def native_operand(self, qw: QWeight, device: torch.device) -> tuple[nat.GemmKind, object] | None:
+        return (nat.GemmKind.S8, self._native(qw, device)) if self.method(device) == "native" else None
 
     def bound(self, qw: QWeight, device: torch.device):
         if self.method(device) == "native":
@@ -129,6 +132,7 @@ class Fp8Scheme(Scheme):
     """W8A8 FP8 E4M3: per-channel weight scales, dynamic per-token activation scales."""
 
     name = "w8a8-fp8"
+    row_separable = True
 
     def quantize(self, w: Tensor) -> QWeight:
         self.check_weight(w)

@@ -29,6 +29,7 @@ class Int4Scheme(Scheme):
     symmetric: bool = True
     gemm: str = "auto"
     name = "w4a16-int4"
+    row_separable = True
 
     def __post_init__(self):
         if self.group_size not in INT4_GROUP_SIZES:
@@ -80,9 +81,9 @@ class Int4Scheme(Scheme):
         # and the dequantized weight, exactly
         return lambda rows: nat.linear_u4(rows.float(), packed, round_bf16=True)
 
-    native_kind = "u4-bf16"  # qarl.native.BlockGemm kind of _native_run
+    native_kind = nat.GemmKind.U4_BF16  # what _native_run computes, as a DecodeBlock GEMM
 
-    def native_operand(self, qw: QWeight, device: torch.device) -> tuple[str, object] | None:
+    def native_operand(self, qw: QWeight, device: torch.device) -> tuple[nat.GemmKind, object] | None:
         return (self.native_kind, self._native(qw, device)) if self.uses_native(device) else None
 
     def bound(self, qw: QWeight, device: torch.device):
@@ -113,7 +114,7 @@ class W4A8Scheme(Int4Scheme):
     """W4A8: the int4 group weights of w4a16-int4, int8 per-token activations."""
 
     name = "w4a8-int"
-    native_kind = "u4-s8"
+    native_kind = nat.GemmKind.U4_S8
 
     def act_qdq(self, x: Tensor) -> Tensor:
         xq, xs = nm.int8_rows(x)

@@ -16,13 +16,13 @@ from torch import Tensor, nn
 
 from qarl import native
 from qarl.model.decoder import Attention, Block, RMSNorm, apply_rope
-from qarl.quant.scheme_base import run_rows
+from qarl.quant import run_rows
 
 
 @dataclass(frozen=True)
 class QuantPack:
     """Quantized projections that share an input, rows stacked into one QWeight (exact: see
-    `stack_rows`) and run by their scheme's kernel in one call; `run` is the scheme's kernel
+    `Scheme.stack_rows`) and run by their scheme's kernel in one call; `run` is the scheme's kernel
     bound to that QWeight (`Scheme.bound`), `n` its output size."""
 
     run: object  # rows [M, K] -> [M, n]

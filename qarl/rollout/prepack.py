@@ -19,7 +19,7 @@ native (M=1: 0.41, 0.21, 0.19 ms).
   GEMMs as post-ops too was measured 2-10% slower per MLP than one gate/up GEMM followed by
   `silu(gate) * up` on the development machine.)
 - a block whose seven projections are kernel-mode `QuantLinear`s of one row-separable format
-  (int8, per-channel FP8, int4, w4a8: `qweight.stack_rows`) runs the same fused forward with
+  (int8, per-channel FP8, int4, w4a8: `Scheme.stack_rows`) runs the same fused forward with
   q/k/v and gate/up each as one quantized GEMM on row-stacked QWeights: exactly the layers'
   own outputs (each output row keeps its codes and scales; the activation is quantized once
   instead of three times, identically), at 4 kernel calls per block instead of 7.
@@ -54,7 +54,6 @@ from torch import Tensor, nn
 from qarl import native
 from qarl.model.decoder import MLP, Attention, Block, RMSNorm
 from qarl.quant.linear import QuantLinear
-from qarl.quant.qweight import ROW_STACKABLE, stack_rows
 from qarl.rollout.fused import BlockPacks, QuantPack, fused_block_forward, linear
 
 
@@ -100,7 +99,7 @@ def _stackable(module: nn.Module) -> bool:
     """A CPU QuantLinear in kernel mode whose format stacks rows exactly."""
     return (
         type(module) is QuantLinear and module.mode == "kernel"
-        and module.weight.device.type == "cpu" and module.scheme.name in ROW_STACKABLE
+        and module.weight.device.type == "cpu" and module.scheme.row_separable
         and "forward" not in module.__dict__
     )
 
@@ -192,8 +191,9 @@ class _Same:
 def _pack_quant_block(block: Block) -> BlockPacks:
     def stacked(stack):
         # -> the stack's QuantPack, its bias, and its native.BlockGemm (None: not native here)
-        qw = stack[0].qweight() if len(stack) == 1 else stack_rows([lin.qweight() for lin in stack])
-        scheme, device = stack[0].scheme, qw.codes.device
+        scheme = stack[0].scheme
+        qw = stack[0].qweight() if len(stack) == 1 else scheme.stack_rows([lin.qweight() for lin in stack])
+        device = qw.codes.device
         bias = _stacked_bias(stack)
         operand = scheme.native_operand(qw, device)
         gemm = None if operand is None else native.BlockGemm(*operand, bias)
@@ -213,10 +213,10 @@ def _pack_block(block: Block, batch_hint: int) -> BlockPacks:
     o, down = _pack(a.o_proj.weight, batch_hint), _pack(m.down_proj.weight, batch_hint)
     decode = None
     if isinstance(qkv, native.PackedF32):  # else oneDNN-packed: no native kernels here
-        decode = _native_block(block, native.BlockGemm("f32", qkv, qkv_bias),
-                               native.BlockGemm("f32", o, a.o_proj.bias),
-                               native.BlockGemm("f32", gate_up, gate_up_bias),
-                               native.BlockGemm("f32", down, m.down_proj.bias))
+        decode = _native_block(block, native.BlockGemm(native.GemmKind.F32, qkv, qkv_bias),
+                               native.BlockGemm(native.GemmKind.F32, o, a.o_proj.bias),
+                               native.BlockGemm(native.GemmKind.F32, gate_up, gate_up_bias),
+                               native.BlockGemm(native.GemmKind.F32, down, m.down_proj.bias))
     return BlockPacks(qkv=qkv, qkv_bias=qkv_bias, o=o, gate_up=gate_up, gate_up_bias=gate_up_bias,
                       down=down, native=decode)
 

@@ -129,16 +129,16 @@ def test_stacked_rows_give_each_layer_its_own_output(name):
     """stack_rows of q/k/v-like QWeights (one input, several layers) run as one linear equals
     the layers run one by one, bit for bit, for every row-separable format; the formats whose
     scales span rows (FP8-block tiles, NVFP4's global scale) are refused."""
-    from qarl.quant.qweight import ROW_STACKABLE, stack_rows
-
     scheme = SCHEMES[name]
+    separable = {"none", "w8a8-int8", "w8a8-fp8", "w4a16-int4", "w4a8-int"}
+    assert scheme.row_separable == (name in separable)
     qws = [scheme.quantize(_rand((n, 256), seed)) for seed, n in enumerate((64, 32, 32))]
-    if name not in ROW_STACKABLE:
+    if not scheme.row_separable:
         with pytest.raises(ValueError, match="not row-separable"):
-            stack_rows(qws)
+            scheme.stack_rows(qws)
         return
     x = _rand((7, 256), 9, scale=3.0)
-    stacked = scheme.linear(x, stack_rows(qws))
+    stacked = scheme.linear(x, scheme.stack_rows(qws))
     assert torch.equal(stacked, torch.cat([scheme.linear(x, qw) for qw in qws], dim=-1))
 
 
@@ -146,7 +146,7 @@ def test_stacked_rows_give_each_layer_its_own_output(name):
 def test_bound_kernel_equals_linear(name):
     """Scheme.bound (the kernel with its choice and operands fixed once, what the engine's fused
     blocks call) gives scheme.linear's bits, with and without bias, for 3-D inputs."""
-    from qarl.quant.scheme_base import run_rows
+    from qarl.quant import run_rows
 
     scheme = SCHEMES[name]
     qw = scheme.quantize(_rand((48, 256), 11))

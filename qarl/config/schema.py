@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # Strict: a recipe is typed TOML, so "32" is not an int and true is not a number. Ints are
 # still accepted where a float is expected (lr = 1 is fine).
@@ -77,13 +77,21 @@ class QuantSection(BaseModel):
         description="Quantization scheme of the rollout model: a name from qarl.quant.SCHEMES "
         "(e.g. 'w8a8-int8', 'w8a8-fp8', 'w4a16-int4') or 'none' for full-precision rollouts.",
     )
-    align: Literal["kernel", "fake", "none"] = Field(
+    align: Literal["kernel", "fake", "naive"] = Field(
         "kernel",
         description="Learner forward: 'kernel' runs the rollout engine's low-bit kernel with a "
         "straight-through backward (QaRL), 'fake' emulates the quantizer in floating point, "
-        "'none' is the naive baseline (full-precision learner, quantized sampler). Has no "
-        "effect when scheme = 'none': both sides then run full precision.",
+        "'naive' is the baseline without alignment (full-precision learner, quantized "
+        "sampler). Has no effect when scheme = 'none': both sides then run full precision.",
     )
+    @field_validator("align", mode="before")
+    @classmethod
+    def _renamed_align(cls, value: Any) -> Any:
+        if value == "none":
+            raise ValueError("'none' is now called 'naive' (full-precision learner, quantized "
+                             "sampler); write align = \"naive\"")
+        return value
+
     include: list[str] | None = Field(
         None,
         description="Only quantize linear layers whose name contains one of these strings "

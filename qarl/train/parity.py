@@ -2,9 +2,9 @@
 
 For each quantization scheme the engine (a `kernel`-mode copy of the model) samples one batch
 of responses: same prompts, same seed for every scheme. Then, for each alignment mode, a fresh
-learner copy is built exactly as the trainer builds it (`none`: plain full precision; `fake` /
+learner copy is built exactly as the trainer builds it (`naive`: plain full precision; `fake` /
 `kernel`: `quantize_model(learner, scheme, mode=align)`), its `export_state` is pushed to the
-engine with `load_weights` (for `none` the engine receives full-precision weights and quantizes
+engine with `load_weights` (for `naive` the engine receives full-precision weights and quantizes
 them itself), and the learner recomputes the batch's logprobs:
 
 - path `decode-replay`: `LocalEngine(learner).score(batch)`, the engine's own prefill + decode
@@ -37,7 +37,7 @@ from torch import Tensor
 
 from qarl.types import RolloutBatch, SamplingParams
 
-ALIGNS = ("none", "fake", "kernel")
+ALIGNS = ("naive", "fake", "kernel")
 DECODE_REPLAY, FULL_SEQUENCE = "decode-replay", "full-sequence"
 # Response-position buckets (start positions); empty buckets are left out of a row.
 POSITION_BUCKETS = (0, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -88,7 +88,7 @@ def _learner(pristine, scheme: str, align: str):
     from qarl.quant import quantize_model
 
     learner = copy.deepcopy(pristine)
-    if scheme != "none" and align != "none":
+    if scheme != "none" and align != "naive":
         quantize_model(learner, scheme, mode=align)
     return learner
 
@@ -140,7 +140,7 @@ def run_arms(
         batch = engine.generate(prompts, sampling, seed=seed)
         sampled_with = _engine_codes(engine)
         # Scheme none: every alignment builds the same plain learner; measure it once.
-        for align in aligns if scheme != "none" else ("none",):
+        for align in aligns if scheme != "none" else ("naive",):
             start = time.perf_counter()
             learner = _learner(pristine, scheme, align)
             engine.load_weights(export_state(learner))

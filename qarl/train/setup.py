@@ -3,7 +3,7 @@
 Two copies of the policy live in one process, as they would on two machines:
 - the learner: master weights (fp32/bf16) with QuantLinear layers in the configured
   alignment (`kernel`: the engine's low-bit kernel with a straight-through backward;
-  `fake`: float emulation of the quantizer; `none`: plain full precision);
+  `fake`: float emulation of the quantizer; `naive`: plain full precision);
 - the engine model: QuantLinear layers in `kernel` mode that decode with whatever the learner
   pushes through `LocalEngine.load_weights`: the learner's own codes and scales when it is
   aligned, its full-precision weights (quantized by the engine) in the naive setup.
@@ -122,7 +122,7 @@ def quantize_pair(learner: CausalLM, config: RunConfig) -> CausalLM:
         return engine_model
     kwargs = dict(include=q.include, exclude=q.exclude, **q.options)
     quantize_model(engine_model, q.scheme, mode="kernel", **kwargs)
-    if q.align != "none":
+    if q.align != "naive":
         quantize_model(learner, q.scheme, mode=q.align, **kwargs)
     return engine_model
 

@@ -125,7 +125,7 @@ def test_compare_arms_load(fake_registries):
     configs = [load_config("compare", arm) for arm in arms]
     assert len({c.run.name for c in configs}) == 5
     assert configs[0].quant.scheme == "none"
-    assert [c.quant.align for c in configs[1:]] == ["none", "none", "kernel", "kernel"]
+    assert [c.quant.align for c in configs[1:]] == ["naive", "naive", "kernel", "kernel"]
     assert configs[2].algo.correction == "tis_token"
     assert [c.algo.loss for c in configs] == ["grpo"] * 4 + ["tbpo"]
 

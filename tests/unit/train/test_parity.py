@@ -37,7 +37,7 @@ def test_matrix_has_every_arm(arms):
     arm; scheme none has one decode-replay and one full-sequence arm (the floor)."""
     expected = {(s, a, DECODE_REPLAY) for s in QUANTIZED for a in ALIGNS}
     expected |= {(s, "kernel", FULL_SEQUENCE) for s in QUANTIZED}
-    expected |= {("none", "none", DECODE_REPLAY), ("none", "none", FULL_SEQUENCE)}
+    expected |= {("none", "naive", DECODE_REPLAY), ("none", "naive", FULL_SEQUENCE)}
     assert set(arms) == expected
 
 
@@ -56,7 +56,7 @@ def test_kernel_alignment_decode_replay_is_bit_exact(arms, scheme):
 def test_full_precision_floor_is_exact(arms):
     """Scheme none: a full-precision learner replaying the decode path reproduces a
     full-precision engine's logprobs bit for bit."""
-    arm = arms[("none", "none", DECODE_REPLAY)]
+    arm = arms[("none", "naive", DECODE_REPLAY)]
     assert torch.equal(arm.old_logp, arm.batch.rollout_logp)
 
 
@@ -64,15 +64,15 @@ def test_full_sequence_floor_is_rounding_only(arms):
     """Scheme none, one teacher-forced forward instead of the decode path: only reduction
     order differs (attention over a KV cache vs a causal pass, GEMM shapes), so |Δlogp| stays
     at fp32 rounding of a log-softmax over the vocabulary: <= 1e-5 (measured ~1e-6)."""
-    row = arm_row(arms[("none", "none", FULL_SEQUENCE)])
+    row = arm_row(arms[("none", "naive", FULL_SEQUENCE)])
     assert row["max_abs_dlogp"] <= 1e-5
 
 
 @pytest.mark.parametrize("scheme", QUANTIZED)
 def test_kernel_is_100x_below_naive(arms, scheme):
-    """Kernel alignment's mean |Δlogp| is at most 1e-2 x the naive (align none) setup's, and
+    """Kernel alignment's mean |Δlogp| is at most 1e-2 x the naive (align naive) setup's, and
     the naive setup really does mismatch (the comparison is not 0 <= 0)."""
-    naive = arm_row(arms[(scheme, "none", DECODE_REPLAY)])["mean_abs_dlogp"]
+    naive = arm_row(arms[(scheme, "naive", DECODE_REPLAY)])["mean_abs_dlogp"]
     kernel = arm_row(arms[(scheme, "kernel", DECODE_REPLAY)])["mean_abs_dlogp"]
     assert naive > 1e-4
     assert kernel <= 1e-2 * naive
@@ -83,7 +83,7 @@ def test_fake_alignment_sits_between(arms, scheme):
     """Fake alignment (float emulation of the quantizer) is reported with finite metrics and
     never mismatches more than the naive setup on average."""
     fake = arm_row(arms[(scheme, "fake", DECODE_REPLAY)])
-    naive = arm_row(arms[(scheme, "none", DECODE_REPLAY)])
+    naive = arm_row(arms[(scheme, "naive", DECODE_REPLAY)])
     assert all(torch.isfinite(torch.tensor(fake[k])) for k in ("mean_abs_dlogp", "k3_kl"))
     assert fake["mean_abs_dlogp"] <= naive["mean_abs_dlogp"]
 
@@ -99,12 +99,12 @@ def test_cli_json_rows(tiny_dir, capsys):
     """`qarl parity --json` prints a JSON list, one object per (scheme, align, path) with the
     documented keys; position buckets are non-empty ranges of response positions."""
     code = main(["parity", "--model", str(tiny_dir), "--schemes", "none,w8a8-int8",
-                 "--aligns", "none,kernel", "--prompts", "2", "--max-new-tokens", "10", "--json"])
+                 "--aligns", "naive,kernel", "--prompts", "2", "--max-new-tokens", "10", "--json"])
     assert code == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["scheme"], r["align"], r["path"]) for r in rows] == [
-        ("none", "none", DECODE_REPLAY), ("none", "none", FULL_SEQUENCE),
-        ("w8a8-int8", "none", DECODE_REPLAY), ("w8a8-int8", "kernel", DECODE_REPLAY),
+        ("none", "naive", DECODE_REPLAY), ("none", "naive", FULL_SEQUENCE),
+        ("w8a8-int8", "naive", DECODE_REPLAY), ("w8a8-int8", "kernel", DECODE_REPLAY),
         ("w8a8-int8", "kernel", FULL_SEQUENCE),
     ]
     for row in rows:
@@ -149,11 +149,11 @@ def test_bad_names_are_clear_errors(capsys, flag, bad, valid):
 def test_smollm2_kernel_exact_and_100x_below_naive():
     """On the real smollm2-135m (two formats, 4 prompts, 8 tokens): kernel alignment's decode
     replay is bit-exact and the naive setup mismatches by more than 100x kernel's mean."""
-    found = list(run_arms("smollm2-135m", ["w8a8-int8", "w4a16-int4"], ("none", "kernel"),
+    found = list(run_arms("smollm2-135m", ["w8a8-int8", "w4a16-int4"], ("naive", "kernel"),
                           num_prompts=4, max_new_tokens=8, include_full_sequence=False))
     arms = {(a.scheme, a.align): a for a in found}
     for scheme in ("w8a8-int8", "w4a16-int4"):
         kernel = arms[(scheme, "kernel")]
         assert torch.equal(kernel.old_logp, kernel.batch.rollout_logp)
-        naive = arm_row(arms[(scheme, "none")])["mean_abs_dlogp"]
+        naive = arm_row(arms[(scheme, "naive")])["mean_abs_dlogp"]
         assert naive > 1e-4 and arm_row(kernel)["mean_abs_dlogp"] <= 1e-2 * naive

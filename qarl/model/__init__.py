@@ -5,7 +5,8 @@ from qarl.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from qarl.model.decoder import CausalLM
 from qarl.model.loading import load_model, save_model
 from qarl.model.tokenizer import Tokenizer, load_tokenizer
-from qarl.model.zoo import ZOO, prepare, qarl_home
+from qarl.model.zoo import ZOO, prepare
+from qarl.paths import qarl_home
 
 __all__ = [
     "CausalLM", "KVCache", "ModelConfig", "SUPPORTED_ARCHITECTURES", "Tokenizer", "ZOO",

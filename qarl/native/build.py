@@ -47,7 +47,7 @@ def _compiler() -> str | None:
 
 
 def _cache_dir() -> Path:
-    from qarl.model.zoo import qarl_home
+    from qarl.paths import qarl_home
 
     return qarl_home() / "kernels"
 

@@ -18,7 +18,7 @@ import torch
 
 from qarl.config import RunConfig, load_config
 from qarl.model import CausalLM, load_model, load_tokenizer, save_model
-from qarl.model.zoo import qarl_home
+from qarl.paths import qarl_home
 from qarl.train.learner import response_logprobs
 from qarl.types import RolloutBatch
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import os
 import random
 import shutil
 import tempfile

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from qarl.report.metrics_file import read_metrics
+
 # Panel title -> metric keys drawn in it (missing keys are skipped).
 PANELS = {
     "reward": ["reward/mean", "reward/accuracy"],
@@ -22,8 +24,6 @@ def plot_run(metrics_path: Path, out_path: Path, title: str | None = None) -> Pa
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from qarl.train.metrics import read_metrics
 
     rows = read_metrics(metrics_path)
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))

@@ -1,10 +1,14 @@
-"""Checkpoints: model, optimizer state and trainer state, with no pickles.
+"""Checkpoints: master weights, optimizer state and the step, with no pickles.
 
-A checkpoint is a folder `step_000012/` holding `model.safetensors` (master weights),
-`optimizer.safetensors` (every tensor of every optimizer's state, flattened to names),
-`state.json` (step, RNG seeds, scalar optimizer state, data cursor). A run folder keeps the
-newest `keep` of them; `latest(run_dir)` finds the one to resume from. Writes go to a
-temporary folder renamed into place, so a run killed mid-save never leaves a half checkpoint.
+A checkpoint is a folder `step_000012/` holding `model.safetensors` (the master weights; a
+tied weight is stored once), `optimizer.safetensors` (every tensor of every optimizer's state,
+flattened to names `<optimizer>.<param id>.<key>`) and `state.json` (the step; the caller's
+`state` dict, which for the trainer is the wall-clock `time` of the save; per optimizer, its
+param groups and non-tensor per-parameter state). Nothing else is saved: no RNG state and no
+data cursor, because the trainer derives each step's prompts and sampling seed from
+(run.seed, step). A run folder keeps the newest `keep` checkpoints; `latest(run_dir)` finds
+the one to resume from. Writes go to a temporary folder renamed into place, so a run killed
+mid-save never leaves a half checkpoint.
 """
 
 from __future__ import annotations

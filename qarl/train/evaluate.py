@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 
 from qarl.algo.diagnostics import error_token_metrics
+from qarl.config import EvalSection, RunConfig
 from qarl.model import CausalLM
 from qarl.rollout import LocalEngine
-from qarl.tasks import Example
 from qarl.train.phases import reward_metrics, score_responses
-from qarl.types import RolloutBatch
+from qarl.train.setup import Data, Policy
+from qarl.types import RolloutBatch, SamplingParams
 
 EVAL_CHUNK = 64  # prompts per generate call: bounds the KV cache at eval time
 
@@ -26,9 +27,14 @@ def full_precision_copy(learner: CausalLM) -> CausalLM:
     return plain.eval()
 
 
-def generate_all(run, engine: LocalEngine, examples: list[Example], seed: int) -> RolloutBatch:
-    prompt_ids = run.encode_prompts(examples)
-    batches = [engine.generate(prompt_ids[i : i + EVAL_CHUNK], run.eval_sampling(), seed=seed + i)
+def eval_sampling(eval_cfg: EvalSection) -> SamplingParams:
+    return SamplingParams(max_new_tokens=eval_cfg.max_new_tokens, temperature=eval_cfg.temperature,
+                          greedy=eval_cfg.greedy)
+
+
+def generate_all(engine: LocalEngine, prompt_ids: list[list[int]], sampling: SamplingParams,
+                 seed: int) -> RolloutBatch:
+    batches = [engine.generate(prompt_ids[i : i + EVAL_CHUNK], sampling, seed=seed + i)
                for i in range(0, len(prompt_ids), EVAL_CHUNK)]
     return concat_batches(batches, engine.pad_token_id)
 
@@ -52,18 +58,21 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
     )
 
 
-def evaluate(run, examples: list[Example]) -> dict[str, float]:
-    """Accuracy and error-token rates on `examples`: `eval/*_quantized` from the engine (the
-    policy that is deployed), `eval/*_full_precision` from the master weights."""
-    engines = {"quantized" if run.quantized else "full_precision": run.engine}
-    if run.quantized and run.config.eval.full_precision:
+def evaluate(policy: Policy, data: Data, config: RunConfig) -> dict[str, float]:
+    """Accuracy and error-token rates on the eval examples: `eval/*_quantized` from the engine
+    (the policy that is deployed), `eval/*_full_precision` from the master weights (unless
+    eval.full_precision is false). Reads the recipe's eval, run.seed and model.max_context."""
+    engines = {"quantized" if policy.quantized else "full_precision": policy.engine}
+    if policy.quantized and config.eval.full_precision:
         engines["full_precision"] = LocalEngine.from_tokenizer(
-            full_precision_copy(run.learner), run.tokenizer, max_context=run.config.model.max_context)
+            full_precision_copy(policy.learner), data.tokenizer, max_context=config.model.max_context)
+    examples = data.eval_examples
+    prompt_ids = data.prompts.encode_prompts(examples)
     metrics: dict[str, float] = {}
-    grammar = getattr(run.task, "grammar_ok", None)
+    grammar = getattr(data.task, "grammar_ok", None)
     for label, engine in engines.items():
-        batch = generate_all(run, engine, examples, seed=run.config.run.seed)
-        result, completions = score_responses(run, examples, batch, group_size=1)
+        batch = generate_all(engine, prompt_ids, eval_sampling(config.eval), seed=config.run.seed)
+        result, completions = score_responses(data, examples, batch, group_size=1)
         for key, value in reward_metrics(result).items():
             metrics[f"eval/{key.split('/', 1)[1]}_{label}"] = value
         verdicts = [grammar(c) for c in completions] if grammar else None

@@ -6,8 +6,9 @@ Two ways to compute logp(response | prompt) for a RolloutBatch:
   lm_head + log-softmax in chunks of `chunk_tokens` response positions, each chunk under
   activation checkpointing, so no [N, L, vocab] float32 tensor is ever kept for the batch
   (only [chunk, vocab] at a time; the chunk's logits are recomputed in backward).
-- `replay_logprobs` (no grad, exact): the engine's own prefill + decode path with the
-  sampled tokens forced instead of drawn (`LocalEngine.score`). On CPU this is what makes
+- the replay (no grad, exact; `qarl.train.setup.Policy.replay`): the engine's own prefill +
+  decode path with the sampled tokens forced instead of drawn (`LocalEngine.score` on a
+  LocalEngine around the learner model). On CPU this is what makes
   `old_logp == rollout_logp` bit for bit: same kernels, same shapes, same summation order.
   A full-sequence forward computes the same function with other shapes (attention over a KV
   cache vs a causal pass, other GEMM paths): ~1e-6 apart in full precision, but activation
@@ -89,8 +90,3 @@ def aligned_logprobs(fast_logp: Tensor, exact_logp: Tensor) -> Tensor:
     """Value of `exact_logp`, gradient of `fast_logp` (both [N, L] float32)."""
     return exact_logp.detach() + (fast_logp - fast_logp.detach())
 
-
-def replay_logprobs(scorer, batch: RolloutBatch, sampling) -> Tensor:
-    """old_logp [N, L] float32 (no grad): the learner's logprobs through the engine's own
-    decode path (`scorer` is a LocalEngine around the learner model; see the module doc)."""
-    return scorer.score(batch, sampling)

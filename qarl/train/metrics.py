@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from qarl.report import read_metrics
+
 # Figures shown on the progress bar: metric key -> short label.
 PROGRESS_FIGURES = {
     "reward/mean": "reward",
@@ -83,11 +85,3 @@ class MetricsLogger:
             self.bar.close()
         if self.writer is not None:
             self.writer.close()
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            rows.append(json.loads(line))
-    return rows

@@ -2,16 +2,17 @@
 
 For each quantization scheme the engine (a `kernel`-mode copy of the model) samples one batch
 of responses: same prompts, same seed for every scheme. Then, for each alignment mode, a fresh
-learner copy is built exactly as the trainer builds it (`naive`: plain full precision; `fake` /
-`kernel`: `quantize_model(learner, scheme, mode=align)`), its `export_state` is pushed to the
-engine with `load_weights` (for `naive` the engine receives full-precision weights and quantizes
-them itself), and the learner recomputes the batch's logprobs:
+learner copy is built exactly as the trainer builds it (`qarl.train.setup.engine_copy` and
+`quantize_learner`, so a recipe's `quant.include` / `exclude` / `options` apply to both sides;
+`naive`: plain full precision), its `export_state` is pushed to the engine with `load_weights`
+(for `naive` the engine receives full-precision weights and quantizes them itself), and the
+learner recomputes the batch's logprobs:
 
 - path `decode-replay`: `LocalEngine(learner).score(batch)`, the engine's own prefill + decode
   path with the sampled tokens forced: what the trainer uses for old_logp;
 - path `full-sequence`: `qarl.train.learner.response_logprobs`, one teacher-forced forward of
   prompt + response: the fast path the gradient comes from (reported for `kernel` alignment
-  and for the `none` scheme, to show the ~1e-6 floor of a plain forward).
+  and for the identity scheme `none`, to show the ~1e-6 floor of a plain forward).
 
 Each (scheme, align, path) row holds, with d_t = old_logp_t - rollout_logp_t over response
 tokens: mean / max |d_t|, k3-KL (KL(sampler || learner) per token), the sequence geometric
@@ -23,11 +24,8 @@ See docs/alignment.md for what the numbers mean and a measured matrix.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import math
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -35,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from qarl.config import QuantSection
 from qarl.types import RolloutBatch, SamplingParams
 
 ALIGNS = ("naive", "fake", "kernel")
@@ -53,11 +52,13 @@ class Arm:
     old_logp: Tensor  # [N, L] float32, the learner's logprobs of the sampled tokens
     batch: RolloutBatch  # the engine's samples; batch.rollout_logp [N, L] float32
     seconds: float  # learner build + weight push + scoring
+    learner_layers: tuple[str, ...]  # the learner's QuantLinear layers (none when naive)
 
 
-def check_names(schemes: Sequence[str], aligns: Sequence[str]) -> None:
-    """Raise one ValueError naming every unknown scheme / alignment and the valid ones."""
-    from qarl.quant import SCHEMES
+def check_names(schemes: Sequence[str], aligns: Sequence[str], options: dict | None = None) -> None:
+    """Raise one ValueError naming every unknown scheme / alignment (and the valid ones) and
+    every scheme that does not take the quant `options` given."""
+    from qarl.quant import SCHEMES, scheme_options
 
     problems = []
     bad_schemes = [s for s in schemes if s not in SCHEMES]
@@ -69,6 +70,12 @@ def check_names(schemes: Sequence[str], aligns: Sequence[str]) -> None:
     if not schemes or not aligns:
         problems.append(f"need at least one scheme and one alignment, got schemes={list(schemes)} "
                         f"aligns={list(aligns)}")
+    for scheme in [s for s in schemes if s in SCHEMES and options]:
+        valid = scheme_options(scheme)
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            problems.append(f"scheme {scheme!r} takes no quant option(s) {unknown} (valid: "
+                            f"{sorted(valid)}); measure it without them")
     if problems:
         raise ValueError("qarl parity: " + "; ".join(problems))
 
@@ -81,16 +88,6 @@ def encode_prompts(tokenizer, num_prompts: int, seed: int) -> list[list[int]]:
     if tokenizer.hf.chat_template is not None:
         return [tokenizer.apply_chat(ex.prompt, system=ex.system, tokenize=True) for ex in examples]
     return [tokenizer.encode(ex.prompt) for ex in examples]
-
-
-def _learner(pristine, scheme: str, align: str):
-    """A learner copy as `qarl.train.setup.quantize_pair` builds it."""
-    from qarl.quant import quantize_model
-
-    learner = copy.deepcopy(pristine)
-    if scheme != "none" and align != "naive":
-        quantize_model(learner, scheme, mode=align)
-    return learner
 
 
 def _engine_codes(engine) -> dict[str, dict[str, Tensor]]:
@@ -120,39 +117,45 @@ def run_arms(
     temperature: float = 1.0,
     seed: int = 0,
     include_full_sequence: bool = True,
+    quant: QuantSection | None = None,
 ) -> Iterator[Arm]:
-    """Yield one Arm per (scheme, align, path), scheme by scheme (see the module docstring)."""
+    """Yield one Arm per (scheme, align, path), scheme by scheme (see the module docstring).
+    `quant` (a recipe's section; default: every projection in the blocks, no options) gives
+    the include / exclude / options used for every scheme; its scheme and align are replaced."""
     from qarl.model import load_model, load_tokenizer
-    from qarl.quant import export_state, quantize_model
+    from qarl.quant import SCHEMES, export_state, quant_layers
     from qarl.rollout import LocalEngine
     from qarl.train.learner import response_logprobs
+    from qarl.train.setup import engine_copy, quantize_learner
 
-    check_names(schemes, aligns)
+    quant = quant if quant is not None else QuantSection()
+    check_names(schemes, aligns, quant.options)
     tokenizer = load_tokenizer(model_name)
     pristine = load_model(model_name)
     prompts = encode_prompts(tokenizer, num_prompts, seed)
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
     for scheme in schemes:
-        engine_model = copy.deepcopy(pristine)
-        if scheme != "none":
-            quantize_model(engine_model, scheme, mode="kernel")
-        engine = LocalEngine.from_tokenizer(engine_model, tokenizer)
+        identity = SCHEMES[scheme].is_identity
+        engine = LocalEngine.from_tokenizer(
+            engine_copy(pristine, quant.model_copy(update={"scheme": scheme})), tokenizer)
         batch = engine.generate(prompts, sampling, seed=seed)
         sampled_with = _engine_codes(engine)
-        # Scheme none: every alignment builds the same plain learner; measure it once.
-        for align in aligns if scheme != "none" else ("naive",):
+        # The identity scheme: every alignment builds the same plain learner; measure it once.
+        for align in aligns if not identity else ("naive",):
             start = time.perf_counter()
-            learner = _learner(pristine, scheme, align)
+            learner = quantize_learner(copy.deepcopy(pristine),
+                                       quant.model_copy(update={"scheme": scheme, "align": align}))
             engine.load_weights(export_state(learner))
             _check_same_codes(sampled_with, _engine_codes(engine), scheme, align)
             scorer = LocalEngine.from_tokenizer(learner, tokenizer)
             old_logp = scorer.score(batch, sampling)
-            yield Arm(scheme, align, DECODE_REPLAY, old_logp, batch, time.perf_counter() - start)
-            if include_full_sequence and (align == "kernel" or scheme == "none"):
+            layers = tuple(quant_layers(learner))
+            yield Arm(scheme, align, DECODE_REPLAY, old_logp, batch, time.perf_counter() - start, layers)
+            if include_full_sequence and (align == "kernel" or identity):
                 start = time.perf_counter()
                 with torch.no_grad():
                     fast, _ = response_logprobs(learner, batch, temperature)
-                yield Arm(scheme, align, FULL_SEQUENCE, fast, batch, time.perf_counter() - start)
+                yield Arm(scheme, align, FULL_SEQUENCE, fast, batch, time.perf_counter() - start, layers)
 
 
 def arm_row(arm: Arm) -> dict:
@@ -189,13 +192,14 @@ def parity_matrix(
     temperature: float = 1.0,
     seed: int = 0,
     include_full_sequence: bool = True,
+    quant: QuantSection | None = None,
 ) -> list[dict]:
     """One row (see `arm_row`) per (scheme, align, path); schemes default to all of SCHEMES."""
     from qarl.quant import SCHEMES
 
     schemes = list(SCHEMES) if schemes is None else list(schemes)
     arms = run_arms(model_name, schemes, aligns, num_prompts, max_new_tokens, temperature, seed,
-                    include_full_sequence)
+                    include_full_sequence, quant)
     return [arm_row(arm) for arm in arms]
 
 
@@ -228,49 +232,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
 
 
-# ---- CLI ---------------------------------------------------------------------------------
-
-
-def _names(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="zoo name or model folder (default: tiny)")
-    parser.add_argument("--schemes", type=_names, default=None,
-                        help="comma-separated schemes (default: all of qarl.quant.SCHEMES)")
-    parser.add_argument("--aligns", type=_names, default=list(ALIGNS),
-                        help=f"comma-separated alignment modes (default: {','.join(ALIGNS)})")
-    parser.add_argument("--prompts", type=int, default=16, help="number of prompts (default: 16)")
-    parser.add_argument("--max-new-tokens", type=int, default=24,
-                        help="response length limit (default: 24)")
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    parser.add_argument("--seed", type=int, default=0, help="prompt and sampling seed")
-    parser.add_argument("--no-full-sequence", action="store_true",
-                        help="skip the full-sequence (teacher-forced forward) rows")
-    parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead")
-
-
-def run(args: argparse.Namespace) -> int:
-    from qarl.quant import SCHEMES
-
-    schemes = list(SCHEMES) if args.schemes is None else args.schemes
-    try:
-        check_names(schemes, args.aligns)
-        if args.prompts < 1:
-            raise ValueError(f"qarl parity: --prompts must be >= 1, got {args.prompts}")
-        arms = run_arms(args.model, schemes, args.aligns, args.prompts, args.max_new_tokens,
-                        args.temperature, args.seed, not args.no_full_sequence)
-        rows = []
-        for arm in arms:  # one progress line per arm on stderr: a smollm2 matrix takes minutes
-            rows.append(arm_row(arm))
-            print(f"parity {arm.scheme}/{arm.align}/{arm.path}: mean|Δ| "
-                  f"{_num(rows[-1]['mean_abs_dlogp'])} ({arm.seconds:.1f} s)", file=sys.stderr)
-    except (ValueError, FileNotFoundError) as err:
-        print(err, file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(rows, indent=1))
-    else:
-        print(format_table(rows))
-    return 0
+def progress_line(arm: Arm, row: dict) -> str:
+    """The line printed when an arm is done (a smollm2 matrix takes minutes)."""
+    return (f"parity {arm.scheme}/{arm.align}/{arm.path}: mean|Δ| {_num(row['mean_abs_dlogp'])} "
+            f"({arm.seconds:.1f} s)")

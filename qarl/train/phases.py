@@ -1,23 +1,32 @@
-"""The phases of one RL step, each a function the loop in trainer.py calls in order.
+"""The phases of one RL step (docs/training.md), called in order by `trainer.rl_step`.
 
-rewards -> advantages -> old_logp -> update -> sync; generation is one engine call and needs
-no wrapper. Every phase returns its metrics as a flat dict of floats keyed `group/name`.
+prompts -> generate -> reward -> advantages -> old_logp -> update -> sync. Generation, the
+old_logp replay and the sync are one call each on the policy pair (qarl.train.setup.Policy);
+the other phases are here, each taking only what it needs. Every phase's metrics are a flat
+dict of floats keyed `group/name`.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from qarl.algo import LOSSES, apply_corrections, global_counts, group_advantages, overlong_penalty
-from qarl.algo.common import metrics_to_floats
-from qarl.tasks import Example, RewardResult
-from qarl.train.learner import aligned_logprobs, replay_logprobs, response_logprobs
+from qarl.algo import (
+    LOSSES, Correction, apply_corrections, global_counts, group_advantages, metrics_to_floats,
+    overlong_penalty,
+)
+from qarl.algo.diagnostics import error_token_metrics, mismatch_metrics
+from qarl.config import AlgoSection, TrainSection
+from qarl.tasks import Example, RewardResult, Task
+from qarl.train.learner import aligned_logprobs, response_logprobs
 from qarl.train.optim import learning_rate, set_learning_rate
-from qarl.types import RolloutBatch
+from qarl.train.setup import Data, Policy
+from qarl.types import RolloutBatch, SamplingParams
 
 
 class PhaseTimer:
@@ -36,20 +45,38 @@ class PhaseTimer:
         return {f"time/{k}": v for k, v in self.seconds.items()}
 
 
+@dataclass
+class Experience:
+    """One step's samples with everything the update needs (N = prompts x group_size rows)."""
+
+    batch: RolloutBatch  # the engine's samples; rollout_logp [N, L] float32
+    sampling: SamplingParams  # what the engine sampled them with
+    old_logp: Tensor  # [N, L] float32, the learner's decode-path replay of the sampled tokens
+    advantages: Tensor  # [N] float32
+    rows: Tensor  # [N] bool, rows that take part in the update
+
+
+def train_examples(task: Task, seed: int, step: int, num_prompts: int) -> list[Example]:
+    """The prompts of `step`: a pure function of (seed, step), so a resumed run sees the same
+    data it would have seen without the interruption."""
+    step_seed = random.Random(f"{seed}:{step}").getrandbits(31)
+    return task.examples("train", num_prompts, step_seed)
+
+
 def score_responses(
-    run, examples: list[Example], batch: RolloutBatch, group_size: int
+    data: Data, examples: list[Example], batch: RolloutBatch, group_size: int
 ) -> tuple[RewardResult, list[str]]:
     """Decode each response and score it against its prompt (examples repeat per group);
     return the rewards and the decoded completions."""
     completions = [
-        run.tokenizer.decode(ids[mask].tolist())
+        data.tokenizer.decode(ids[mask].tolist())
         for ids, mask in zip(batch.response_ids, batch.response_mask)
     ]
     calls = [
         (examples[i // group_size].prompt, text, examples[i // group_size].reward_kwargs())
         for i, text in enumerate(completions)
     ]
-    return run.rewards.score(calls), completions
+    return data.rewards.score(calls), completions
 
 
 def reward_metrics(result: RewardResult) -> dict[str, float]:
@@ -61,7 +88,8 @@ def reward_metrics(result: RewardResult) -> dict[str, float]:
     return metrics
 
 
-def compute_advantages(rewards: list[float | None], batch: RolloutBatch, algo, group_size: int):
+def compute_advantages(rewards: list[float | None], batch: RolloutBatch, algo: AlgoSection,
+                       group_size: int) -> tuple[Tensor, Tensor, dict[str, float]]:
     """Advantages [N] and the rows that take part in the update ([N] bool)."""
     values = torch.tensor([float("nan") if r is None else r for r in rewards])  # [N]
     if algo.overlong is not None:
@@ -74,80 +102,92 @@ def compute_advantages(rewards: list[float | None], batch: RolloutBatch, algo, g
     return advantages, rows, metrics
 
 
-def loss_setup(cfg, batch: RolloutBatch, old_logp: Tensor, advantages: Tensor, rows: Tensor):
+def loss_setup(algo: AlgoSection, exp: Experience) -> tuple[Correction, dict]:
     """The step's rollout correction (computed once, on the whole batch, from old_logp) and
     the loss parameters, including the whole batch's token / sequence counts."""
-    algo = cfg.algo
-    mask = batch.response_mask & rows[:, None]  # [N, L] bool
+    batch, old_logp = exp.batch, exp.old_logp
+    mask = batch.response_mask & exp.rows[:, None]  # [N, L] bool
     specs = {algo.correction: algo.correction_params} if algo.correction else {}
-    correction = apply_corrections(specs, old_logp, batch.rollout_logp, mask, advantages, old_logp)
+    correction = apply_corrections(specs, old_logp, batch.rollout_logp, mask, exp.advantages, old_logp)
     # norm_len: the fixed length of seq-mean-token-sum-norm (Dr.GRPO), the response budget
-    params = {"norm_len": cfg.rollout.max_new_tokens, **algo.loss_params}
+    params = {"norm_len": exp.sampling.max_new_tokens, **algo.loss_params}
     if algo.aggregation is not None:
         params["aggregation"] = algo.aggregation
     params.update(global_counts(algo.loss, old_logp, batch.rollout_logp, correction.mask, **params))
     return correction, params
 
 
-def update_policy(run, optimizers, batch: RolloutBatch, old_logp: Tensor, advantages: Tensor,
-                  rows: Tensor, step: int) -> dict[str, float]:
-    """K epochs; each accumulates every micro-batch, then takes one optimizer step.
+def update_policy(policy: Policy, optimizers: list[torch.optim.Optimizer], exp: Experience,
+                  algo: AlgoSection, train: TrainSection, step: int) -> dict[str, float]:
+    """`algo.epochs` epochs; each accumulates every micro-batch, then takes one optimizer step.
 
     The loss is aggregated with counts of the WHOLE batch (global_counts), so how the batch
     is split into micro-batches does not change the update. logp takes its value from the
-    engine's decode path and its gradient from the fast forward (aligned_logprobs): in the
-    first epoch that value is old_logp itself (the ratio is exactly 1); later epochs replay
-    the whole batch once with the updated weights.
+    engine's decode path and its gradient from the fast forward (aligned_logprobs).
     """
-    cfg, algo, train = run.config, run.config.algo, run.config.train
-    correction, params = loss_setup(cfg, batch, old_logp, advantages, rows)
-    loss_mask = correction.mask  # [N, L] float
+    correction, params = loss_setup(algo, exp)
     lr = learning_rate(step, train.steps, train.lr, train.min_lr, train.warmup_steps, train.lr_schedule)
     set_learning_rate(optimizers, lr)
-    N, mb = batch.num_sequences, train.micro_batch_size
     totals: dict[str, float] = {}
-    entropy_sum, entropy_count = 0.0, 0
     skipped = 0
-    learner = run.learner
-    learner.train()
+    policy.learner.train()
     for epoch in range(algo.epochs):
-        # logp's value always comes from the engine path, replayed on the WHOLE batch (the
-        # shape it was sampled with: a micro-batch replay is not exact, and on smollm2 W8A8
-        # the activation quantizers amplify that to ~0.1 nats). Epoch 0 is old_logp itself;
-        # later epochs replay once with the updated weights (constant within an epoch).
-        exact = old_logp if epoch == 0 else replay_logprobs(run.scorer, batch, run.sampling())
-        for start in range(0, N, mb):
-            idx = torch.arange(start, min(N, start + mb))
-            sub = batch.select(idx)
-            fast, entropy = response_logprobs(learner, sub, cfg.rollout.temperature)
-            logp = aligned_logprobs(fast, exact[idx])
-            loss, metrics = LOSSES[algo.loss](
-                logp, old_logp[idx], sub.rollout_logp, advantages[idx], loss_mask[idx],
-                is_weights=correction.weights[idx], **params,
-            )
-            loss.backward()
-            share = len(idx) / N / algo.epochs
-            for key, value in metrics_to_floats(metrics).items():
-                totals[f"loss/{key}"] = totals.get(f"loss/{key}", 0.0) + share * value
-            if epoch == 0:
-                entropy_sum += float((entropy * sub.response_mask).sum())
-                entropy_count += int(sub.response_mask.sum())
-        grad_norm = clip_gradients(learner, train.grad_clip)
-        # No learning signal (every group's rewards equal, or every row masked): skip the
-        # step, or Adam's momentum alone would keep moving the weights.
-        if grad_norm > 0:
-            for opt in optimizers:
-                opt.step()
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
+        # logp's value always comes from a decode-path replay of the WHOLE batch (the shape it
+        # was sampled with: a micro-batch replay is not exact, and on smollm2 W8A8 the
+        # activation quantizers amplify that to ~0.1 nats). In epoch 0 the learner is still
+        # the policy that old_logp replayed; later epochs replay once with the updated weights.
+        exact = exp.old_logp if epoch == 0 else policy.replay(exp.batch, exp.sampling)
+        entropy = accumulate_gradients(policy.learner, exp, exact, algo, correction, params,
+                                       train.micro_batch_size, totals)
+        if epoch == 0:
+            entropy_sum, entropy_count = entropy
+        grad_norm = optimizer_step(policy.learner, optimizers, train.grad_clip)
         skipped += grad_norm == 0
-    learner.eval()
+    policy.learner.eval()
     totals.update(metrics_to_floats({f"correction/{k}": v for k, v in correction.metrics.items()}))
     totals["policy/entropy"] = entropy_sum / max(1, entropy_count)
     totals["policy/grad_norm"] = grad_norm
     totals["policy/lr"] = lr
     totals["policy/skipped_steps"] = skipped
     return totals
+
+
+def accumulate_gradients(learner, exp: Experience, exact: Tensor, algo: AlgoSection,
+                         correction: Correction, params: dict, micro_batch_size: int,
+                         totals: dict[str, float]) -> tuple[float, int]:
+    """One epoch's backward passes, micro-batch by micro-batch; adds each loss metric (weighted
+    by its share of the rows and epochs) to `totals`. Returns (entropy sum, response tokens)."""
+    batch, N = exp.batch, exp.batch.num_sequences
+    entropy_sum, entropy_count = 0.0, 0
+    for start in range(0, N, micro_batch_size):
+        idx = torch.arange(start, min(N, start + micro_batch_size))
+        sub = batch.select(idx)
+        fast, entropy = response_logprobs(learner, sub, exp.sampling.temperature)
+        logp = aligned_logprobs(fast, exact[idx])  # value: exact; gradient: fast
+        loss, metrics = LOSSES[algo.loss](
+            logp, exp.old_logp[idx], sub.rollout_logp, exp.advantages[idx], correction.mask[idx],
+            is_weights=correction.weights[idx], **params,
+        )
+        loss.backward()
+        share = len(idx) / N / algo.epochs
+        for key, value in metrics_to_floats(metrics).items():
+            totals[f"loss/{key}"] = totals.get(f"loss/{key}", 0.0) + share * value
+        entropy_sum += float((entropy * sub.response_mask).sum())
+        entropy_count += int(sub.response_mask.sum())
+    return entropy_sum, entropy_count
+
+
+def optimizer_step(learner, optimizers: list[torch.optim.Optimizer], grad_clip: float) -> float:
+    """Clip, step and clear the gradients; return the gradient norm before clipping. No
+    learning signal (every group's rewards equal, or every row masked): the step is skipped,
+    or Adam's momentum alone would keep moving the weights."""
+    grad_norm = clip_gradients(learner, grad_clip)
+    if grad_norm > 0:
+        for opt in optimizers:
+            opt.step()
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
+    return grad_norm
 
 
 def clip_gradients(model, max_norm: float) -> float:
@@ -157,3 +197,15 @@ def clip_gradients(model, max_norm: float) -> float:
     if max_norm > 0:
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
     return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+
+
+def sample_metrics(task: Task, exp: Experience, completions: list[str]) -> dict[str, float]:
+    """Learner-vs-sampler mismatch and error-token rates of the step's samples."""
+    batch = exp.batch
+    grammar = getattr(task, "grammar_ok", None)
+    verdicts = [grammar(c) for c in completions] if grammar else None
+    mismatch = mismatch_metrics(exp.old_logp, batch.rollout_logp, batch.response_mask)
+    errors = error_token_metrics(batch.response_ids, batch.response_mask, batch.finish_reasons,
+                                 learner_logp=exp.old_logp, grammar_ok=verdicts)
+    return {**{f"mismatch/{k}": v for k, v in mismatch.items()},
+            **{f"errors/{k}": v for k, v in errors.items()}}

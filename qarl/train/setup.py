@@ -1,33 +1,39 @@
-"""Build everything a run needs from a validated RunConfig: folders, task, models, engine.
+"""Build the objects of a run from a validated RunConfig: its folder, the policy pair, the data.
 
-Two copies of the policy live in one process, as they would on two machines:
+Two copies of the policy live in one process, as they would on two machines (`Policy`):
 - the learner: master weights (fp32/bf16) with QuantLinear layers in the configured
   alignment (`kernel`: the engine's low-bit kernel with a straight-through backward;
-  `fake`: float emulation of the quantizer; `naive`: plain full precision);
+  `fake`: float emulation of the quantizer; `naive`: plain full precision, no QuantLinear);
 - the engine model: QuantLinear layers in `kernel` mode that decode with whatever the learner
   pushes through `LocalEngine.load_weights`: the learner's own codes and scales when it is
   aligned, its full-precision weights (quantized by the engine) in the naive setup.
+`engine_copy` and `quantize_learner` build that pair; `qarl parity` builds its arms with them.
+
+The data side (`Data`): the task, the prompt encoder, the reward workers, the eval examples.
+`open_run` yields the run folder (locked), the policy and the data, and closes them after.
 """
 
 from __future__ import annotations
 
 import copy
 import fcntl
-import random
 import sys
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Iterator
 
 import torch
+from torch import Tensor
 
-from qarl.config import RunConfig, save_resolved
+from qarl.config import QuantSection, RolloutSection, RunConfig, TaskSection, save_resolved
 from qarl.model import CausalLM, load_model, load_tokenizer
 from qarl.model.tokenizer import Tokenizer
-from qarl.quant import quantize_model
+from qarl.quant import SCHEMES, quantize_model
 from qarl.rollout import LocalEngine
 from qarl.tasks import Example, RewardRunner, Task, make_task
-from qarl.types import SamplingParams
+from qarl.train.sync import WeightSync
+from qarl.types import RolloutBatch, SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -35,8 +41,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class PromptEncoder:
     """Example -> prompt token ids: system prompt, chat template, length check, cache."""
 
-    def __init__(self, config: RunConfig, tokenizer: Tokenizer, task: Task):
-        self.config, self.tokenizer, self.task = config, tokenizer, task
+    def __init__(self, task_cfg: TaskSection, tokenizer: Tokenizer, task: Task):
+        self.task_cfg, self.tokenizer, self.task = task_cfg, tokenizer, task
         self.cache: dict[tuple, list[int]] = {}
 
     def encode_prompts(self, examples: list[Example]) -> list[list[int]]:
@@ -49,7 +55,7 @@ class PromptEncoder:
         return out
 
     def encode(self, example: Example) -> list[int]:
-        cfg = self.config.task
+        cfg = self.task_cfg
         system = example.system if example.system is not None else cfg.system_prompt
         if cfg.chat_template and self.tokenizer.hf.chat_template is not None:
             ids = self.tokenizer.apply_chat(example.prompt, system=system, tokenize=True)
@@ -65,46 +71,51 @@ class PromptEncoder:
 
 
 @dataclass
-class Run:
-    config: RunConfig
-    run_dir: Path
+class Policy:
+    """The policy pair: the learner, the engine that samples, and what connects them."""
+
+    learner: CausalLM  # master weights; QuantLinear in the align mode (none when naive)
+    engine: LocalEngine  # samples with the quantized copy (kernel-mode QuantLinear)
+    scorer: LocalEngine  # the engine's decode path around the LEARNER model
+    sync: WeightSync  # learner -> engine weight push
+    quantized: bool  # False when the scheme is the identity (full-precision rollouts)
+
+    def replay(self, batch: RolloutBatch, sampling: SamplingParams) -> Tensor:
+        """The learner's logprobs of the sampled tokens, [N, L] float32 (no grad), through
+        the engine's own decode path on the whole batch (qarl.train.learner's docstring says
+        why this, and not a full-sequence forward, gives exact values)."""
+        return self.scorer.score(batch, sampling)
+
+
+@dataclass
+class Data:
+    """The data side of a run: prompts in, scored completions out, and the eval examples."""
+
     task: Task
     tokenizer: Tokenizer
-    learner: CausalLM
-    engine: LocalEngine
+    prompts: PromptEncoder
     rewards: RewardRunner
     eval_examples: list[Example]
-    prompts: PromptEncoder
-    scorer: LocalEngine  # the engine's decode path around the LEARNER model: old_logp
-    lock: IO  # held open for the whole run: one process per run folder
 
     def close(self) -> None:
         self.rewards.close()
+
+
+@dataclass
+class RunFolder:
+    """The run's output folder, locked while the run lives: one process per folder."""
+
+    path: Path
+    lock: IO
+
+    def close(self) -> None:
         self.lock.close()  # releases the flock
 
-    @property
-    def quantized(self) -> bool:
-        return self.config.quant.scheme != "none"
 
-    def sampling(self) -> SamplingParams:
-        r = self.config.rollout
-        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                              top_p=r.top_p, top_k=r.top_k)
-
-    def eval_sampling(self) -> SamplingParams:
-        e = self.config.eval
-        return SamplingParams(max_new_tokens=e.max_new_tokens, temperature=e.temperature,
-                              greedy=e.greedy)
-
-    def encode_prompts(self, examples: list[Example]) -> list[list[int]]:
-        return self.prompts.encode_prompts(examples)
-
-    def train_examples(self, step: int) -> list[Example]:
-        """The prompts of `step`: a pure function of (seed, step), so a resumed run sees the
-        same data it would have seen without the interruption."""
-        r = self.config.rollout
-        seed = random.Random(f"{self.config.run.seed}:{step}").getrandbits(31)
-        return self.task.examples("train", r.batch_size // r.group_size, seed)
+def sampling_params(rollout: RolloutSection) -> SamplingParams:
+    """Training samples: the recipe's [rollout] section."""
+    return SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
+                          top_p=rollout.top_p, top_k=rollout.top_k)
 
 
 def build_task(config: RunConfig) -> Task:
@@ -114,17 +125,38 @@ def build_task(config: RunConfig) -> Task:
     return make_task(t.name, **t.options)
 
 
-def quantize_pair(learner: CausalLM, config: RunConfig) -> CausalLM:
-    """Quantize the learner in place in its alignment mode and return the engine's copy."""
-    q = config.quant
-    engine_model = copy.deepcopy(learner)
-    if q.scheme == "none":
-        return engine_model
-    kwargs = dict(include=q.include, exclude=q.exclude, **q.options)
-    quantize_model(engine_model, q.scheme, mode="kernel", **kwargs)
-    if q.align != "naive":
-        quantize_model(learner, q.scheme, mode=q.align, **kwargs)
+def _quant_kwargs(quant: QuantSection) -> dict:
+    return dict(include=quant.include, exclude=quant.exclude, **quant.options)
+
+
+def engine_copy(model: CausalLM, quant: QuantSection) -> CausalLM:
+    """A copy of `model` for the engine: its selected linears (quant.include / exclude) as
+    `kernel`-mode QuantLinear of quant.scheme; a plain copy when the scheme is the identity."""
+    engine_model = copy.deepcopy(model)
+    if not SCHEMES[quant.scheme].is_identity:
+        quantize_model(engine_model, quant.scheme, mode="kernel", **_quant_kwargs(quant))
     return engine_model
+
+
+def quantize_learner(learner: CausalLM, quant: QuantSection) -> CausalLM:
+    """The learner in its alignment mode, in place: the same layers as the engine's copy in
+    quant.align mode; left plain for `naive` or an identity scheme."""
+    if not SCHEMES[quant.scheme].is_identity and quant.align != "naive":
+        quantize_model(learner, quant.scheme, mode=quant.align, **_quant_kwargs(quant))
+    return learner
+
+
+def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | None = None) -> Policy:
+    """The policy pair; `learner`, when given, replaces loading `model.name` (warm start)."""
+    if learner is None:
+        learner = load_model(config.model.name, dtype=DTYPES[config.model.master_dtype])
+    engine_model = engine_copy(learner, config.quant)  # copied before the learner is quantized
+    quantize_learner(learner, config.quant)
+    max_context = config.model.max_context
+    engine = LocalEngine.from_tokenizer(engine_model, tokenizer, max_context=max_context)
+    scorer = LocalEngine.from_tokenizer(learner, tokenizer, max_context=max_context)
+    return Policy(learner, engine, scorer, WeightSync(learner, engine),
+                  quantized=not SCHEMES[config.quant.scheme].is_identity)
 
 
 def report_dataset(task: Task, run_dir: Path) -> None:
@@ -135,6 +167,17 @@ def report_dataset(task: Task, run_dir: Path) -> None:
         text = "\n".join(r.summary() for r in reports)
         (run_dir / "dataset_report.txt").write_text(text + "\n")
         print(text, file=sys.stderr)
+
+
+def build_data(config: RunConfig, tokenizer: Tokenizer, run_dir: Path) -> Data:
+    """The task (its dataset report written to run_dir), reward workers and eval examples."""
+    task = build_task(config)
+    report_dataset(task, run_dir)
+    reward_spec = config.task.reward or task.reward_spec
+    rewards = RewardRunner(reward_spec, num_workers=config.task.reward_workers,
+                           timeout_s=config.task.reward_timeout_s)
+    eval_examples = task.examples("eval", config.eval.size, config.run.seed)
+    return Data(task, tokenizer, PromptEncoder(config.task, tokenizer, task), rewards, eval_examples)
 
 
 def lock_run_dir(run_dir: Path) -> IO:
@@ -152,30 +195,26 @@ def lock_run_dir(run_dir: Path) -> IO:
     return handle
 
 
-def build_run(config: RunConfig, learner: CausalLM | None = None) -> Run:
-    """Create the run folder and every object of the run. `learner`, when given, replaces
-    loading `model.name` (warm-started weights)."""
-    run_dir = Path(config.run.output_dir) / config.run.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock = lock_run_dir(run_dir)
+def open_run_folder(config: RunConfig) -> RunFolder:
+    """Create and lock `run.output_dir / run.name`, and save the resolved recipe there."""
+    path = Path(config.run.output_dir) / config.run.name
+    path.mkdir(parents=True, exist_ok=True)
+    folder = RunFolder(path, lock_run_dir(path))
     try:
-        save_resolved(config, run_dir)
+        save_resolved(config, path)
+    except BaseException:
+        folder.close()
+        raise
+    return folder
+
+
+@contextmanager
+def open_run(config: RunConfig, learner: CausalLM | None = None) -> Iterator[tuple[RunFolder, Policy, Data]]:
+    """The run's folder, policy pair and data side, closed (lock, reward workers) on exit.
+    `learner`, when given, replaces loading `model.name` (warm-started weights)."""
+    with closing(open_run_folder(config)) as folder:
         torch.manual_seed(config.run.seed)
         tokenizer = load_tokenizer(config.model.name)
-        if learner is None:
-            learner = load_model(config.model.name, dtype=DTYPES[config.model.master_dtype])
-        engine_model = quantize_pair(learner, config)
-        engine = LocalEngine.from_tokenizer(engine_model, tokenizer, max_context=config.model.max_context)
-        scorer = LocalEngine.from_tokenizer(learner, tokenizer, max_context=config.model.max_context)
-        task = build_task(config)
-        report_dataset(task, run_dir)
-        reward_spec = config.task.reward or task.reward_spec
-        rewards = RewardRunner(reward_spec, num_workers=config.task.reward_workers,
-                               timeout_s=config.task.reward_timeout_s)
-        eval_examples = task.examples("eval", config.eval.size, config.run.seed)
-        prompts = PromptEncoder(config, tokenizer, task)
-        return Run(config, run_dir, task, tokenizer, learner, engine, rewards, eval_examples, prompts,
-                   scorer, lock)
-    except BaseException:
-        lock.close()
-        raise
+        policy = build_policy(config, tokenizer, learner)
+        with closing(build_data(config, tokenizer, folder.path)) as data:
+            yield folder, policy, data

@@ -8,7 +8,6 @@ every sample. A few hundred steps of cross-entropy on the task's reference compl
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import random
@@ -16,7 +15,7 @@ import shutil
 
 import torch
 
-from qarl.config import RunConfig, load_config
+from qarl.config import RunConfig
 from qarl.model import CausalLM, load_model, load_tokenizer, save_model
 from qarl.paths import qarl_home
 from qarl.train.learner import response_logprobs
@@ -33,10 +32,11 @@ def sft_key(config: RunConfig) -> str:
     return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def teacher_batch(run_like, examples, tokenizer, end_id: int) -> RolloutBatch:
-    """Prompt ids (templated) + reference completion ids + end token, as a RolloutBatch."""
-    prompts = run_like.encode_prompts(examples)
-    answers = [tokenizer.encode(run_like.task.reference_completion(ex)) + [end_id] for ex in examples]
+def teacher_batch(encoder, examples, tokenizer, end_id: int) -> RolloutBatch:
+    """Prompt ids (templated by `encoder`, a PromptEncoder) + reference completion ids + end
+    token, as a RolloutBatch."""
+    prompts = encoder.encode_prompts(examples)
+    answers = [tokenizer.encode(encoder.task.reference_completion(ex)) + [end_id] for ex in examples]
     P, L = max(map(len, prompts)), max(map(len, answers))
     pad = tokenizer.pad_token_id
     prompt_ids = torch.tensor([[pad] * (P - len(p)) + p for p in prompts])
@@ -58,7 +58,7 @@ def run_sft(config: RunConfig, model: CausalLM, log=print) -> CausalLM:
 
     tokenizer = load_tokenizer(config.model.name)
     task = build_task(config)
-    encoder = PromptEncoder(config, tokenizer, task)
+    encoder = PromptEncoder(config.task, tokenizer, task)
     end_id = chat_end_id(tokenizer)
     opt = torch.optim.AdamW(model.parameters(), lr=config.sft.lr)
     model.train()
@@ -97,20 +97,3 @@ def warm_start(config: RunConfig, log=print) -> CausalLM | None:
         tmp.replace(folder)
     return load_model(folder, dtype=dtype)
 
-
-ACCEPTS_OVERRIDES = True  # --section.key=value, e.g. --sft.steps=300
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", nargs="?", default="tiny",
-                        help="recipe path or packaged name whose [sft] section to run (default: tiny)")
-
-
-def run(args: argparse.Namespace) -> int:
-    config = load_config(args.recipe, args.overrides)
-    if config.sft.steps == 0:
-        print(f"recipe {args.recipe!r} has sft.steps = 0: nothing to do (set --sft.steps=N)")
-        return 1
-    warm_start(config)
-    print(qarl_home() / "sft" / sft_key(config))
-    return 0

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from qarl.train.metrics import read_metrics
+from qarl.config import LogSection
+from qarl.report import read_metrics
 
 # Rows of the final table: metric key stem -> label.
 TABLE_ROWS = {
@@ -15,8 +17,8 @@ TABLE_ROWS = {
 }
 
 
-def _first_eval(run) -> dict[str, Any] | None:
-    path = run.run_dir / "metrics.jsonl"
+def _first_eval(run_dir: Path) -> dict[str, Any] | None:
+    path = run_dir / "metrics.jsonl"
     rows = read_metrics(path) if path.exists() else []
     evals = [r for r in rows if r.get("kind") == "eval" and r["step"] == 0]
     return evals[-1] if evals else None
@@ -42,15 +44,17 @@ def format_table(before: dict | None, after: dict) -> str:
     return "\n".join(lines)
 
 
-def finish_run(run, before: dict | None, after: dict) -> dict[str, Any]:
-    before = before or _first_eval(run)
+def finish_run(run_dir: Path, log: LogSection, before: dict | None, after: dict) -> dict[str, Any]:
+    """The run's summary: its folder, the eval metrics before and after training (`before`
+    read back from metrics.jsonl for a resumed run), the curves PNG, the printed table."""
+    before = before or _first_eval(run_dir)
     plot = None
-    if run.config.log.plot and run.config.log.jsonl:
+    if log.plot and log.jsonl:
         from qarl.report.plots import plot_run
 
-        plot = str(plot_run(run.run_dir / "metrics.jsonl", run.run_dir / "curves.png"))
+        plot = str(plot_run(run_dir / "metrics.jsonl", run_dir / "curves.png"))
     return {
-        "run_dir": str(run.run_dir),
+        "run_dir": str(run_dir),
         "before": before,
         "after": after,
         "plot": plot,

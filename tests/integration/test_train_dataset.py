@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from qarl.train.metrics import read_metrics
+from qarl.report import read_metrics
 from qarl.train.trainer import train
 
 

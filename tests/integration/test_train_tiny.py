@@ -9,13 +9,11 @@ import torch
 from safetensors.torch import load_file
 
 from qarl.config import load_config
-from qarl.train.metrics import read_metrics
+from qarl.report import read_metrics
 from qarl.train.optim import build_optimizer
-from qarl.train.phases import compute_advantages, score_responses, update_policy
-from qarl.train.setup import build_run
+from qarl.train.setup import open_run
 from qarl.train.sft import warm_start
-from qarl.train.learner import replay_logprobs
-from qarl.train.trainer import train
+from qarl.train.trainer import rl_step, train
 
 
 def _overrides(tmp_path, **extra):
@@ -63,25 +61,17 @@ def test_run_leaves_its_artifacts(tiny_run, tmp_path):
 
 
 def _one_update(config, micro_batch_size):
-    """Weights after one RL update of the warm-started tiny model with this micro-batch size."""
+    """Weights before and after one RL step (`rl_step`, step 0) of the warm-started tiny model
+    with this micro-batch size."""
     config = config.model_copy(update={"train": config.train.model_copy(
         update={"micro_batch_size": micro_batch_size})})
-    run = build_run(config, learner=copy.deepcopy(warm_start(config)))
-    try:
-        examples = run.train_examples(0)
-        G = config.rollout.group_size
-        prompts = [ids for ids in run.encode_prompts(examples) for _ in range(G)]
-        batch = run.engine.generate(prompts, run.sampling(), seed=0)
-        scored, _ = score_responses(run, examples, batch, G)
-        advantages, rows, _ = compute_advantages(scored.rewards, batch, config.algo, G)
-        assert advantages.abs().sum() > 0, "no reward spread: the update would be trivial"
-        old_logp = replay_logprobs(run.scorer, batch, run.sampling())
-        optimizers = build_optimizer(run.learner, "adamw", config.train.lr)
-        before = {n: p.detach().clone() for n, p in run.learner.named_parameters()}
-        update_policy(run, optimizers, batch, old_logp, advantages, rows, step=0)
-        return before, {n: p.detach().clone() for n, p in run.learner.named_parameters()}
-    finally:
-        run.close()
+    with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
+        optimizers = build_optimizer(policy.learner, "adamw", config.train.lr)
+        before = {n: p.detach().clone() for n, p in policy.learner.named_parameters()}
+        metrics = rl_step(policy, data, optimizers, config, step=0)
+        assert metrics["groups/all_equal_frac"] < 1.0, "no reward spread: the update would be trivial"
+        assert metrics["policy/skipped_steps"] == 0
+        return before, {n: p.detach().clone() for n, p in policy.learner.named_parameters()}
 
 
 def test_micro_batching_does_not_change_the_update(tmp_path):
@@ -146,10 +136,7 @@ def test_one_process_per_run_folder(tmp_path):
     to do; once the first run is closed the folder is free again."""
     from qarl.train.setup import lock_run_dir
 
-    run = build_run(load_config("tiny", _overrides(tmp_path)))
-    try:
+    with open_run(load_config("tiny", _overrides(tmp_path))) as (folder, _, _):
         with pytest.raises(RuntimeError, match="another qarl process is running in .*--run.name"):
-            lock_run_dir(run.run_dir)
-    finally:
-        run.close()
-    lock_run_dir(run.run_dir).close()
+            lock_run_dir(folder.path)
+    lock_run_dir(folder.path).close()

@@ -7,6 +7,13 @@ import pytest
 from qarl.cli import COMMANDS, main
 
 
+def test_command_modules_live_in_the_cli_package():
+    """Each subcommand is one module of qarl.cli named after it; library packages hold no
+    argument parsing."""
+    assert {name: module for name, (module, _) in COMMANDS.items()} == {
+        name: f"qarl.cli.{name}" for name in COMMANDS}
+
+
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_every_subcommand_has_help(command, capsys):
     """`qarl COMMAND --help` imports the command's module and prints its usage (exit 0)."""

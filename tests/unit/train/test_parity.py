@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from qarl.cli import main
+from qarl.config import QuantSection
 from qarl.quant import SCHEMES
 from qarl.train.parity import (
-    ALIGNS, DECODE_REPLAY, FULL_SEQUENCE, arm_row, format_table, parity_matrix, run_arms,
+    ALIGNS, DECODE_REPLAY, FULL_SEQUENCE, arm_row, check_names, format_table, parity_matrix,
+    run_arms,
 )
 
-QUANTIZED = [s for s in SCHEMES if s != "none"]
+QUANTIZED = [s for s in SCHEMES if not SCHEMES[s].is_identity]
 ROW_KEYS = {
     "scheme", "align", "path", "mean_abs_dlogp", "max_abs_dlogp", "k3_kl", "seq_ratio_mean",
     "seq_ratio_min", "seq_ratio_max", "by_position", "num_tokens", "seconds", "bit_exact",
@@ -143,6 +145,57 @@ def test_bad_names_are_clear_errors(capsys, flag, bad, valid):
     assert bad in err and valid in err and "valid" in err
     with pytest.raises(ValueError, match="valid"):
         parity_matrix("no-such-model", schemes=["w8a8-int9"])
+
+
+def _small_arms(tiny_dir, quant=None):
+    arms = run_arms(str(tiny_dir), ["w8a8-int8"], ("naive", "kernel"), num_prompts=4,
+                    max_new_tokens=8, include_full_sequence=False, quant=quant)
+    return {a.align: a for a in arms}
+
+
+def test_recipe_exclude_reaches_learner_and_engine(tiny_dir):
+    """A recipe's quant.exclude is honoured on both sides, as the trainer builds them: with
+    layer 0 excluded the kernel learner's QuantLinear set is the default set minus exactly
+    layer 0's projections, the naive learner has none, the kernel replay stays bit-exact, and
+    the engine sampled with other weights (the naive mismatch is not the default's)."""
+    default = _small_arms(tiny_dir)
+    excluded = _small_arms(tiny_dir, QuantSection(exclude=["model.layers.0."]))
+    layer0 = {n for n in default["kernel"].learner_layers if n.startswith("model.layers.0.")}
+    assert layer0
+    assert set(excluded["kernel"].learner_layers) == set(default["kernel"].learner_layers) - layer0
+    assert default["naive"].learner_layers == excluded["naive"].learner_layers == ()
+    kernel = excluded["kernel"]
+    assert torch.equal(kernel.old_logp, kernel.batch.rollout_logp)
+    assert arm_row(excluded["naive"])["mean_abs_dlogp"] != arm_row(default["naive"])["mean_abs_dlogp"]
+
+
+def test_cli_recipe_sets_model_scheme_and_quant_keys(tiny_dir, capsys):
+    """`qarl parity RECIPE --section.key=value ...` measures the recipe's model and scheme (the
+    default --schemes) with its include / exclude / options: an exclude override changes the
+    naive row, and the kernel row stays bit-exact."""
+    recipe = ["tiny", f"--model.name={tiny_dir}", "--quant.scheme=w4a16-int4",
+              "--quant.options={group_size=32}"]
+    flags = ["--aligns", "naive,kernel", "--prompts", "2", "--max-new-tokens", "6",
+             "--no-full-sequence", "--json"]
+    assert main(["parity", *recipe, *flags]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(["parity", *recipe, *flags, "--quant.exclude=['mlp']"]) == 0
+    excluded = json.loads(capsys.readouterr().out)
+    for rows in (plain, excluded):
+        assert [(r["scheme"], r["align"]) for r in rows] == [("w4a16-int4", "naive"),
+                                                            ("w4a16-int4", "kernel")]
+        assert rows[1]["bit_exact"]
+    assert excluded[0]["mean_abs_dlogp"] != plain[0]["mean_abs_dlogp"]
+
+
+def test_options_a_scheme_does_not_take_are_clear_errors(tiny_dir, capsys):
+    """Quant options are checked against every scheme measured, before any model is loaded:
+    the error names the scheme, the option and the valid ones."""
+    with pytest.raises(ValueError, match=r"'w8a8-int8' takes no quant option\(s\) \['group_size'\]"):
+        check_names(["w4a16-int4", "w8a8-int8"], ["kernel"], {"group_size": 32})
+    assert main(["parity", "tiny", "--model", "no-such-model", "--schemes", "w4a16-int4,w8a8-int8",
+                 "--quant.scheme=w4a16-int4", "--quant.options={group_size=32}"]) == 2
+    assert "takes no quant option(s) ['group_size']" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
 
     from qarl.config import ConfigError, load_config
     from qarl.train.evaluate import evaluate
-    from qarl.train.setup import DTYPES, build_run
+    from qarl.train.setup import DTYPES, open_run
     from qarl.train.sft import warm_start
 
     try:
@@ -38,7 +38,6 @@ def run(args: argparse.Namespace) -> int:
     # Its own run folder: never overwrite (or wait on the lock of) the training run's.
     config = config.model_copy(update={"run": config.run.model_copy(
         update={"name": f"{config.run.name}-eval"})})
-    learner = None
     if args.checkpoint is not None:
         from qarl.model import load_model
         from qarl.train.checkpoint import load_weights
@@ -52,12 +51,8 @@ def run(args: argparse.Namespace) -> int:
         load_weights(args.checkpoint, learner)
     else:
         learner = warm_start(config)
-    run_ = build_run(config, learner=learner)
-    try:
-        with torch.no_grad():
-            metrics = evaluate(run_, run_.eval_examples)
-    finally:
-        run_.close()
+    with open_run(config, learner=learner) as (_, policy, data), torch.no_grad():
+        metrics = evaluate(policy, data, config)
     if args.json:
         print(json.dumps(metrics, indent=1))
     else:

@@ -1,4 +1,6 @@
-"""`qarl` command line: one subcommand per module, each exposing add_arguments(p) and run(args).
+"""`qarl` command line: one subcommand per module of this package, each exposing
+add_arguments(parser) and run(args); a module that sets ACCEPTS_OVERRIDES = True also takes
+recipe overrides (--section.key=value), checked by qarl.config.
 
 Modules are imported only for the subcommand that runs, so `qarl --help` stays fast.
 """
@@ -11,11 +13,11 @@ import sys
 
 # subcommand -> (module, one-line help). The module owns its arguments and behaviour.
 COMMANDS = {
-    "train": ("qarl.train.cli", "run RL training from a TOML recipe (default: recipes/default.toml)"),
-    "sft": ("qarl.train.sft", "warm-start a model by supervised fine-tuning on a built-in task"),
-    "eval": ("qarl.train.eval_cli", "evaluate a model or checkpoint on a task's held-out set"),
-    "parity": ("qarl.train.parity", "measure learner-vs-engine logprob mismatch per scheme and alignment"),
-    "models": ("qarl.model.zoo", "list and prepare the embedded models"),
+    "train": ("qarl.cli.train", "run RL training from a TOML recipe (default: recipes/default.toml)"),
+    "sft": ("qarl.cli.sft", "warm-start a model by supervised fine-tuning on a built-in task"),
+    "eval": ("qarl.cli.eval", "evaluate a model or checkpoint on a task's held-out set"),
+    "parity": ("qarl.cli.parity", "measure learner-vs-engine logprob mismatch per scheme and alignment"),
+    "models": ("qarl.cli.models", "list and prepare the embedded models"),
 }
 
 
@@ -50,7 +52,3 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     args.overrides = rest
     return int(module.run(args) or 0)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,5 @@
+"""`python -m qarl.cli ...` is `qarl ...`."""
+
+from qarl.cli import main
+
+raise SystemExit(main())

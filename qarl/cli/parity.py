@@ -1,0 +1,75 @@
+"""`qarl parity [RECIPE] [--section.key=value ...] [flags]`: the learner-vs-sampler logprob
+mismatch per scheme and alignment (qarl.train.parity). With a recipe (or overrides), its
+model and its [quant] include / exclude / options are measured, and its quant.scheme is the
+default scheme; the flags below override the recipe."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from qarl.train.parity import ALIGNS
+
+ACCEPTS_OVERRIDES = True  # --section.key=value on the recipe, checked by qarl.config
+
+
+def _names(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "recipe", nargs="?", default=None,
+        help="a recipe file or packaged recipe name whose model and [quant] include / exclude / "
+        "options to measure, overridable with --section.key=value as for `qarl train` "
+        "(default: none; the flags below alone)",
+    )
+    parser.add_argument("--model", default=None,
+                        help="zoo name or model folder (default: the recipe's model.name, else tiny)")
+    parser.add_argument("--schemes", type=_names, default=None,
+                        help="comma-separated schemes (default: the recipe's quant.scheme, else "
+                        "all of qarl.quant.SCHEMES)")
+    parser.add_argument("--aligns", type=_names, default=list(ALIGNS),
+                        help=f"comma-separated alignment modes (default: {','.join(ALIGNS)})")
+    parser.add_argument("--prompts", type=int, default=16, help="number of prompts (default: 16)")
+    parser.add_argument("--max-new-tokens", type=int, default=24,
+                        help="response length limit (default: 24)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    parser.add_argument("--seed", type=int, default=0, help="prompt and sampling seed")
+    parser.add_argument("--no-full-sequence", action="store_true",
+                        help="skip the full-sequence (teacher-forced forward) rows")
+    parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead")
+
+
+def run(args: argparse.Namespace) -> int:
+    from qarl.config import ConfigError, load_config
+    from qarl.quant import SCHEMES
+    from qarl.train.parity import arm_row, check_names, format_table, progress_line, run_arms
+
+    quant, model = None, args.model or "tiny"
+    if args.recipe is not None or args.overrides:
+        try:
+            config = load_config(args.recipe, args.overrides)
+        except ConfigError as err:
+            print(err, file=sys.stderr)
+            return 2
+        quant, model = config.quant, args.model or config.model.name
+    schemes = args.schemes
+    if schemes is None:
+        schemes = [quant.scheme] if quant is not None else list(SCHEMES)
+    try:
+        check_names(schemes, args.aligns, quant.options if quant is not None else None)
+        if args.prompts < 1:
+            raise ValueError(f"qarl parity: --prompts must be >= 1, got {args.prompts}")
+        arms = run_arms(model, schemes, args.aligns, args.prompts, args.max_new_tokens,
+                        args.temperature, args.seed, not args.no_full_sequence, quant)
+        rows = []
+        for arm in arms:  # one progress line per arm on stderr
+            rows.append(arm_row(arm))
+            print(progress_line(arm, rows[-1]), file=sys.stderr)
+    except (ValueError, FileNotFoundError) as err:
+        print(err, file=sys.stderr)
+        return 2
+    print(json.dumps(rows, indent=1) if args.json else format_table(rows))
+    return 0

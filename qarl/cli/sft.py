@@ -1,0 +1,27 @@
+"""`qarl sft [RECIPE] [--section.key=value ...]`: run (or reuse) a recipe's warm-start SFT and
+print the folder of the cached result."""
+
+from __future__ import annotations
+
+import argparse
+
+ACCEPTS_OVERRIDES = True  # --section.key=value, e.g. --sft.steps=300
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", nargs="?", default="tiny",
+                        help="recipe path or packaged name whose [sft] section to run (default: tiny)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from qarl.config import load_config
+    from qarl.paths import qarl_home
+    from qarl.train.sft import sft_key, warm_start
+
+    config = load_config(args.recipe, args.overrides)
+    if config.sft.steps == 0:
+        print(f"recipe {args.recipe!r} has sft.steps = 0: nothing to do (set --sft.steps=N)")
+        return 1
+    warm_start(config)
+    print(qarl_home() / "sft" / sft_key(config))
+    return 0

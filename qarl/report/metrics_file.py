@@ -1,0 +1,16 @@
+"""Reading a run's metrics.jsonl: one JSON object per line, `step` and `kind` in every row."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Every row of a metrics.jsonl file, in file order (blank lines skipped)."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            rows.append(json.loads(line))
+    return rows

@@ -1,0 +1,44 @@
+"""The policy pair as the trainer (and `qarl parity`) builds it: which layers are quantized, how."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from qarl.config import QuantSection
+from qarl.model import load_model
+from qarl.quant import SCHEMES, quant_layers
+from qarl.train.setup import engine_copy, quantize_learner
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return load_model(str(tiny_dir))
+
+
+def _modes(model) -> dict[str, str]:
+    return {name: layer.mode for name, layer in quant_layers(model).items()}
+
+
+@pytest.mark.parametrize("align", ["naive", "fake", "kernel"])
+def test_learner_matches_engine_layers_in_its_align_mode(tiny, align):
+    """The engine copy quantizes the selected layers (include / exclude honoured) in kernel
+    mode; the learner quantizes the same layers in its align mode, and the naive learner has
+    no QuantLinear at all. The model passed in is copied, never changed, by engine_copy."""
+    quant = QuantSection(scheme="w8a8-int8", align=align, exclude=["mlp"])
+    engine = _modes(engine_copy(tiny, quant))
+    assert quant_layers(tiny) == {}
+    assert engine and not any("mlp" in name for name in engine)
+    assert set(engine.values()) == {"kernel"}
+    learner = _modes(quantize_learner(engine_copy(tiny, QuantSection(scheme="none")), quant))
+    assert learner == ({} if align == "naive" else {name: align for name in engine})
+
+
+def test_identity_scheme_leaves_both_sides_plain(tiny):
+    """With the identity scheme neither side has a QuantLinear, whatever the align mode."""
+    identity = next(name for name, scheme in SCHEMES.items() if scheme.is_identity)
+    quant = QuantSection(scheme=identity, align="kernel")
+    engine = engine_copy(tiny, quant)
+    learner = quantize_learner(engine_copy(tiny, quant), quant)
+    assert quant_layers(engine) == quant_layers(learner) == {}
+    assert any(type(m) is nn.Linear for m in learner.modules())

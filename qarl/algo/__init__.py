@@ -6,7 +6,7 @@ the table of losses and corrections and the micro-batch contract.
 
 from qarl.algo.advantages import ADVANTAGE_MODES, GroupInfo, group_advantages, overlong_penalty
 from qarl.algo.aggregation import AGGREGATIONS, aggregate
-from qarl.algo.common import RUNTIME_KWARGS, UnknownNameError, metrics_to_floats
+from qarl.algo.common import UnknownNameError, metrics_to_floats
 from qarl.algo.corrections import (
     CORRECTIONS,
     Correction,
@@ -16,6 +16,7 @@ from qarl.algo.corrections import (
     validate_correction_params,
 )
 from qarl.algo.losses import LOSSES, global_counts, loss_params, validate_loss_params
+from qarl.algo.params import RUNTIME_KWARGS
 
 __all__ = [
     "ADVANTAGE_MODES",

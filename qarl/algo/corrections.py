@@ -40,14 +40,12 @@ from qarl.algo.common import (
     Registry,
     as_valid,
     bounded_exp,
-    check_params,
     frac,
-    keyword_defaults,
     masked_log_ratio,
     seq_mean,
     stats,
-    validate_params,
 )
+from qarl.algo.params import check_params, keyword_defaults, validate_params
 
 
 @dataclass(frozen=True)

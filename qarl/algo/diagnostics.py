@@ -34,7 +34,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-FINISH_LENGTH = "length"  # equals qarl.types.FINISH_LENGTH (this module imports only torch)
+from qarl.types import FINISH_LENGTH
+
 DEFAULT_POSITION_BUCKETS = (0, 16, 64, 256, 1024)
 LOWPROB_THRESHOLD = 1e-3
 

@@ -16,9 +16,10 @@ from typing import Any, Mapping
 from torch import Tensor
 
 from qarl.algo.aggregation import count_tokens_and_seqs
-from qarl.algo.common import Registry, as_valid, keyword_defaults, validate_params
+from qarl.algo.common import Registry, as_valid
 from qarl.algo.losses_ppo import dapo_loss, dr_grpo_loss, dual_clip_loss, grpo_loss
 from qarl.algo.losses_seq import gspo_loss, tbpo_band, tbpo_loss
+from qarl.algo.params import keyword_defaults, validate_params
 
 LOSSES = Registry(
     "loss",

@@ -27,11 +27,11 @@ from qarl.algo.common import (
     approx_kl,
     as_valid,
     bounded_exp,
-    check_params,
     frac,
     masked_log_ratio,
     stats,
 )
+from qarl.algo.params import check_params
 
 
 def ppo_clip_loss(

@@ -20,12 +20,12 @@ from qarl.algo.common import (
     approx_kl,
     as_valid,
     bounded_exp,
-    check_params,
     frac,
     masked_log_ratio,
     seq_mean,
     stats,
 )
+from qarl.algo.params import check_params
 
 
 def sequence_ratio(logp: Tensor, old_logp: Tensor, valid: Tensor) -> Tensor:  # [N]

@@ -2,76 +2,53 @@
 
 Each check is a function of the validated sections it names and returns a list of Problems;
 the loader runs a check only when all its sections validated, so one bad section never hides
-the problems of another. The registries (qarl.quant.SCHEMES, qarl.algo.LOSSES / CORRECTIONS,
-qarl.tasks.TASKS, the model zoo) are imported here lazily: loading a recipe imports them, but
-importing qarl.config does not. A registry that a module does not define (yet) is not checked.
-The docstring of each check is its rule as printed in docs/config.md.
+the problems of another. Names are checked against the registries of the packages that own
+them, imported here: `qarl.quant.SCHEMES`, `qarl.algo.LOSSES` / `CORRECTIONS` /
+`AGGREGATIONS`, `qarl.tasks.TASKS` / `REWARDS` and `qarl.model.ZOO`, with each package's own
+parameter lister and validator. The docstring of each check is its rule as printed in
+docs/config.md.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-import inspect
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from qarl.algo import (
+    AGGREGATIONS,
+    CORRECTIONS,
+    LOSSES,
+    correction_params,
+    loss_params,
+    validate_correction_params,
+    validate_loss_params,
+)
 from qarl.config.errors import Problem, short, suggest, unknown_key
+from qarl.model import ZOO
+from qarl.quant import SCHEMES, scheme_options
+from qarl.tasks import REWARDS, TASKS, task_options
 
 DATASET_SUFFIXES = (".jsonl", ".parquet")
 
 
-def registry(module: str, name: str) -> Any | None:
-    """`module.name` if the module exists and defines it, else None (the check is skipped)."""
-    if importlib.util.find_spec(module) is None:
-        return None
-    return getattr(importlib.import_module(module), name, None)
-
-
-def _zoo_names() -> list[str] | None:
-    zoo = registry("qarl.model.zoo", "ZOO")
-    return None if zoo is None else sorted(zoo)
-
-
-def signature_params(fn: Any) -> list[str] | None:
-    """Keyword names `fn` (a function or class) accepts; None when it takes **kwargs or has no
-    introspectable signature (then nothing is checked)."""
-    if not (inspect.isfunction(fn) or inspect.isclass(fn)):
-        return None
-    try:
-        parameters = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind is p.VAR_KEYWORD for p in parameters):
-        return None
-    return [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
-
-
 def param_problems(
-    path: str, params: Mapping[str, Any], valid: list[str] | None,
-    validator: Any = None, name: str = "",
+    path: str, params: Mapping[str, Any], valid: list[str],
+    validator: Callable[[str, dict], Any] | None = None, name: str = "",
 ) -> list[Problem]:
     """Unknown names in `params` (each with the closest valid one); if there are none, what
     the owning module's `validator(name, params)` says about the values."""
-    if valid is None:
-        return []
     unknown = [unknown_key(path, key, valid, "parameter") for key in params if key not in valid]
     return unknown or _validate_with(path, validator, name, params)
 
 
-def _names_of(module: str, lister: str, name: str) -> list[str] | None:
-    """`module.lister(name)` (a dict of parameter names to defaults) as a list, if it exists."""
-    function = registry(module, lister)
-    return None if function is None else list(function(name))
-
-
-def check_name(path: str, name: str, table: Any, what: str, extra: tuple = ()) -> list[Problem]:
-    """`name` must be a key of `table` (or one of `extra`); None table = not checkable yet."""
-    if table is None or name in table or name in extra:
+def check_name(path: str, name: str, table: Any, what: str) -> list[Problem]:
+    """`name` must be a key of `table`."""
+    if name in table:
         return []
-    return [Problem(path, f"unknown {what} {name!r}; {suggest(name, [*table, *extra])}")]
+    return [Problem(path, f"unknown {what} {name!r}; {suggest(name, list(table))}")]
 
 
 def _validate_with(path: str, validator: Any, name: str, params: Mapping) -> list[Problem]:
@@ -128,23 +105,19 @@ def one_task_source(task) -> list[Problem]:
         return [Problem("task", f"both name ({task.name!r}) and dataset ({task.dataset!r}) are "
                                 "set; keep one (on the command line unset the other with "
                                 "--task.name= or --task.dataset=)")]
-    tasks = registry("qarl.tasks", "TASKS")
     if task.dataset is None:
-        problems = check_name("task.name", task.name, tasks, "task")
-        if tasks is None or problems:
+        problems = check_name("task.name", task.name, TASKS, "task")
+        if problems:
             return problems
-        return param_problems("task.options", task.options, _names_of(
-            "qarl.tasks", "task_options", task.name))
+        return param_problems("task.options", task.options, list(task_options(task.name)))
     problems = []
     if not Path(task.dataset).is_file():
         problems.append(Problem("task.dataset", f"file {task.dataset!r} does not exist"))
     if not task.dataset.endswith(DATASET_SUFFIXES):
         problems.append(Problem("task.dataset", f"{task.dataset!r} is neither .jsonl nor "
                                                 ".parquet; convert it to one of them"))
-    if tasks is not None and "dataset" in tasks:
-        valid = [key for key in _names_of("qarl.tasks", "task_options", "dataset") or []
-                 if key not in ("path", "reward")]
-        problems += param_problems("task.options", task.options, valid)
+    valid = [key for key in task_options("dataset") if key not in ("path", "reward")]
+    problems += param_problems("task.options", task.options, valid)
     return problems
 
 
@@ -152,56 +125,43 @@ def reward_exists(task) -> list[Problem]:
     """task.reward is a built-in reward (qarl.tasks.REWARDS) or 'module:function'."""
     if task.reward is None or re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", task.reward):
         return []
-    rewards = registry("qarl.tasks", "REWARDS")
-    if rewards is not None and task.reward in rewards:
+    if task.reward in REWARDS:
         return []
-    if rewards and suggest(task.reward, rewards).startswith("did"):
+    if suggest(task.reward, REWARDS).startswith("did"):
         return [Problem("task.reward", f"{short(task.reward)} is not a built-in reward; "
-                                       f"{suggest(task.reward, rewards)} (or give "
+                                       f"{suggest(task.reward, REWARDS)} (or give "
                                        "'module:function')")]
-    builtin = f" ({', '.join(sorted(rewards))})" if rewards else ""
-    return [Problem("task.reward", f"{short(task.reward)} is neither a built-in reward{builtin} "
-                                   "nor 'module:function' (e.g. 'my_rewards:exact_match')")]
+    return [Problem("task.reward", f"{short(task.reward)} is neither a built-in reward "
+                                   f"({', '.join(sorted(REWARDS))}) nor 'module:function' "
+                                   "(e.g. 'my_rewards:exact_match')")]
 
 
 def scheme_exists(quant) -> list[Problem]:
-    """quant.scheme is 'none' or a name in qarl.quant.SCHEMES; quant.options are options the
-    scheme takes; 'none' takes no options."""
-    if quant.scheme == "none":
+    """quant.scheme is a name in qarl.quant.SCHEMES; quant.options are options the scheme
+    takes; the full-precision scheme ('none') takes no options."""
+    problems = check_name("quant.scheme", quant.scheme, SCHEMES, "scheme")
+    if problems:
+        return problems
+    if SCHEMES[quant.scheme].is_identity:
         if quant.options:
-            return [Problem("quant.options", "set while quant.scheme is 'none' (full "
+            return [Problem("quant.options", f"set while quant.scheme is {quant.scheme!r} (full "
                                              "precision); remove them or choose a scheme")]
         return []
-    schemes = registry("qarl.quant", "SCHEMES")
-    problems = check_name("quant.scheme", quant.scheme, schemes, "scheme", extra=("none",))
-    if schemes is not None and not problems:
-        # the quant package's own lister if it has one (like algo's loss_params), else the
-        # scheme's signature when it is a function or class
-        valid = _names_of("qarl.quant", "scheme_options", quant.scheme)
-        if valid is None:
-            valid = signature_params(schemes[quant.scheme])
-        problems += param_problems("quant.options", quant.options, valid)
-    return problems
+    return param_problems("quant.options", quant.options, list(scheme_options(quant.scheme)))
 
 
 def loss_exists(algo) -> list[Problem]:
     """algo.loss is in qarl.algo.LOSSES, algo.loss_params are parameters it accepts (checked by
-    qarl.algo.validate_loss_params); algo.aggregation is in qarl.algo.AGGREGATIONS, the loss
-    takes one, and it is not also set in loss_params."""
-    losses = registry("qarl.algo", "LOSSES")
-    problems = check_name("algo.loss", algo.loss, losses, "loss")
-    if losses is None or problems:
+    qarl.algo.validate_loss_params); algo.aggregation (which every loss takes) is in
+    qarl.algo.AGGREGATIONS and is not also set in loss_params."""
+    problems = check_name("algo.loss", algo.loss, LOSSES, "loss")
+    if problems:
         return problems
-    valid = _names_of("qarl.algo", "loss_params", algo.loss)
-    problems += param_problems("algo.loss_params", algo.loss_params, valid,
-                               registry("qarl.algo", "validate_loss_params"), algo.loss)
+    problems += param_problems("algo.loss_params", algo.loss_params, list(loss_params(algo.loss)),
+                               validate_loss_params, algo.loss)
     if algo.aggregation is None:
         return problems
-    problems += check_name("algo.aggregation", algo.aggregation,
-                           registry("qarl.algo", "AGGREGATIONS"), "aggregation")
-    if valid is not None and "aggregation" not in valid:
-        problems.append(Problem("algo.aggregation", f"loss {algo.loss!r} takes no aggregation; "
-                                                    "remove it"))
+    problems += check_name("algo.aggregation", algo.aggregation, AGGREGATIONS, "aggregation")
     if "aggregation" in algo.loss_params:
         problems.append(Problem("algo.aggregation", "also set in algo.loss_params; keep one"))
     return problems
@@ -215,13 +175,12 @@ def correction_exists(algo) -> list[Problem]:
             return []
         return [Problem("algo.correction_params", "set but algo.correction is not; name a "
                                                   "correction (e.g. 'tis_token') or remove them")]
-    corrections = registry("qarl.algo", "CORRECTIONS")
-    problems = check_name("algo.correction", algo.correction, corrections, "correction")
-    if corrections is None or problems:
+    problems = check_name("algo.correction", algo.correction, CORRECTIONS, "correction")
+    if problems:
         return problems
     return param_problems("algo.correction_params", algo.correction_params,
-                          _names_of("qarl.algo", "correction_params", algo.correction),
-                          registry("qarl.algo", "validate_correction_params"), algo.correction)
+                          list(correction_params(algo.correction)),
+                          validate_correction_params, algo.correction)
 
 
 def overlong_fits(algo, rollout) -> list[Problem]:
@@ -273,13 +232,10 @@ def model_exists(model) -> list[Problem]:
     """model.name is a zoo model or an existing local path."""
     if Path(model.name).exists():
         return []
-    zoo = _zoo_names()
-    looks_like_path = "/" in model.name or model.name.endswith((".gguf", ".safetensors"))
-    if looks_like_path or (zoo is not None and model.name not in zoo):
-        where = f"; zoo models: {', '.join(zoo)}" if zoo else ""
-        return [Problem("model.name", f"{short(model.name)} is neither a zoo model nor an "
-                                      f"existing path{where}")]
-    return []
+    if model.name in ZOO:
+        return []
+    return [Problem("model.name", f"{short(model.name)} is neither a zoo model nor an "
+                                  f"existing path; zoo models: {', '.join(sorted(ZOO))}")]
 
 
 def tensorboard_available(log) -> list[Problem]:

@@ -74,8 +74,8 @@ class QuantSection(BaseModel):
     scheme: str = Field(
         "w8a8-int8",
         min_length=1,
-        description="Quantization scheme of the rollout model: a name from qarl.quant.SCHEMES "
-        "(e.g. 'w8a8-int8', 'w8a8-fp8', 'w4a16-int4') or 'none' for full-precision rollouts.",
+        description="Quantization scheme of the rollout model: a name from qarl.quant.SCHEMES, "
+        "e.g. 'w8a8-int8', 'w8a8-fp8', 'w4a16-int4', or 'none' (full-precision rollouts).",
     )
     align: Literal["kernel", "fake", "naive"] = Field(
         "kernel",
@@ -84,6 +84,7 @@ class QuantSection(BaseModel):
         "'naive' is the baseline without alignment (full-precision learner, quantized "
         "sampler). Has no effect when scheme = 'none': both sides then run full precision.",
     )
+
     @field_validator("align", mode="before")
     @classmethod
     def _renamed_align(cls, value: Any) -> Any:
@@ -94,13 +95,15 @@ class QuantSection(BaseModel):
 
     include: list[str] | None = Field(
         None,
-        description="Only quantize linear layers whose name contains one of these strings "
-        "(e.g. ['q_proj', 'k_proj']). Default: every projection inside the decoder blocks.",
+        description="Only quantize linear layers whose name contains one of these strings, or "
+        "matches one as a glob when it holds '*', '?' or '[' (e.g. ['q_proj', 'k_proj'] or "
+        "['model.layers.1*']). Default: every linear inside the decoder blocks "
+        "('model.layers.*'), so not the lm_head.",
     )
     exclude: list[str] | None = Field(
         None,
-        description="Never quantize linear layers whose name contains one of these strings "
-        "(applied after include).",
+        description="Never quantize linear layers whose name contains (or, as a glob, matches) "
+        "one of these strings; applied after include.",
     )
     options: dict[str, Any] = Field(
         default_factory=dict,
@@ -169,10 +172,13 @@ class TaskSection(BaseModel):
         "Default: the task's own verifier.",
     )
     system_prompt: str | None = Field(
-        None, description="System message placed before every prompt. Default: none."
+        None, description="System message of every prompt that has none of its own (a dataset "
+        "row's 'system' column wins); without a chat template it is prepended as plain text and "
+        "a blank line. Default: none."
     )
     chat_template: bool = Field(
-        True, description="Wrap prompts in the tokenizer's chat template (if it has one)."
+        True, description="Wrap prompts in the tokenizer's chat template (if it has one); "
+        "otherwise a prompt is encoded as plain text."
     )
     reward_timeout_s: float = Field(
         10.0, gt=0, description="Deadline per reward call; a timeout is counted, never a 0."
@@ -224,12 +230,15 @@ class AlgoSection(BaseModel):
     )
     advantage: Literal["grpo", "dr_grpo"] = Field(
         "grpo",
-        description="Group advantage: 'grpo' = (r - mean) / std, 'dr_grpo' = r - mean.",
+        description="Group advantage over the group's scorable rewards: 'grpo' = (r - mean) / "
+        "(std + 1e-6) with the unbiased std, 'dr_grpo' = r - mean.",
     )
     dynamic_sampling: bool = Field(
         False,
-        description="DAPO dynamic sampling: drop groups whose rewards are all equal and sample "
-        "more until the batch is full.",
+        description="DAPO's dynamic-sampling filter, without resampling: the rows of groups whose "
+        "rewards are all equal (advantage 0) are masked out of the update, so they do not count "
+        "in the loss's token / sequence denominators. No extra responses are sampled: the step "
+        "trains on the remaining rows (metric groups/kept_frac).",
     )
     overlong: OverlongSection | None = Field(
         None, description="DAPO overlong shaping as {l_max, l_cache}. Default: off."
@@ -240,8 +249,9 @@ class AlgoSection(BaseModel):
     aggregation: str | None = Field(
         None,
         min_length=1,
-        description="How token losses are reduced to a scalar, a name the loss accepts (e.g. "
-        "'token-mean', 'seq-mean-token-mean'). Default: the loss's own.",
+        description="How token losses are reduced to a scalar, a name from "
+        "qarl.algo.AGGREGATIONS (e.g. 'token-mean', 'seq-mean-token-mean'). Default: the "
+        "loss's own.",
     )
 
 
@@ -262,7 +272,12 @@ class TrainSection(BaseModel):
         description="'adamw', or 'muon' (torch.optim.Muon on 2-D weight matrices, AdamW on the "
         "rest).",
     )
-    lr: float = Field(..., ge=0, description="Peak learning rate. 0 is a dry run: every phase runs, the weights (and so the engine's codes) never change.")
+    lr: float = Field(
+        ...,
+        ge=0,
+        description="Peak learning rate. 0 is a dry run: every phase runs, the weights (and so "
+        "the engine's codes) never change.",
+    )
     min_lr: float = Field(
         0.0, ge=0, description="Floor of the cosine/linear decay; at most lr."
     )
@@ -270,7 +285,8 @@ class TrainSection(BaseModel):
         "constant", description="Decay after warmup: to min_lr at the last step, or none."
     )
     warmup_steps: int = Field(
-        0, ge=0, description="Linear warmup from 0 to lr over this many steps; at most steps."
+        0, ge=0, description="Linear warmup to lr over this many steps (step i, from 0, uses "
+        "lr * (i + 1) / warmup_steps); at most steps."
     )
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
     betas: list[float] = Field(
@@ -335,7 +351,10 @@ class LogSection(BaseModel):
         description="Write TensorBoard events: 'auto' = only if tensorboard is installed; "
         "true = required (an error if it is not installed).",
     )
-    plot: bool = Field(True, description="Write PNG plots of the metrics at the end of the run.")
+    plot: bool = Field(
+        True, description="Write curves.png, plots of the metrics, at the end of the run (read "
+        "from metrics.jsonl, so only with jsonl = true)."
+    )
     jsonl: bool = Field(True, description="Write metrics.jsonl in the run folder.")
 
 

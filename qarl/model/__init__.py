@@ -3,12 +3,12 @@
 from qarl.model.cache import KVCache
 from qarl.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from qarl.model.decoder import CausalLM
-from qarl.model.loading import load_model, save_model
-from qarl.model.tokenizer import Tokenizer, load_tokenizer
+from qarl.model.loading import save_model
+from qarl.model.sources import load_model, load_tokenizer
+from qarl.model.tokenizer import Tokenizer
 from qarl.model.zoo import ZOO, prepare
-from qarl.paths import qarl_home
 
 __all__ = [
     "CausalLM", "KVCache", "ModelConfig", "SUPPORTED_ARCHITECTURES", "Tokenizer", "ZOO",
-    "load_model", "load_tokenizer", "prepare", "qarl_home", "save_model",
+    "load_model", "load_tokenizer", "prepare", "save_model",
 ]

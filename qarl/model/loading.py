@@ -1,7 +1,6 @@
-"""Load and save `CausalLM` weights: zoo names, Hugging Face folders and GGUF files.
+"""Read and write `CausalLM` weights: Hugging Face folders and GGUF files.
 
-Sources `load_model` accepts:
-- a zoo name (`tiny`, `smollm2-135m`): prepared once under `$QARL_HOME`, then a folder load;
+Paths `read_model` accepts (`qarl.model.load_model` also takes zoo names, see sources.py):
 - a folder with `config.json` and `model.safetensors`, or sharded weights listed in
   `model.safetensors.index.json` (what `save_pretrained` writes);
 - a `.gguf` file, read with transformers' GGUF reader (the `gguf` package dequantizes).
@@ -39,11 +38,8 @@ _REQUIRED_VALUES = {
 }
 
 
-def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM:
-    """A `CausalLM` from a zoo name, a HF model folder or a `.gguf` file, weights in `dtype`."""
-    from qarl.model.zoo import resolve  # the zoo prepares its models with this module
-
-    path = resolve(name_or_path)
+def read_model(path: Path, dtype: torch.dtype = torch.float32) -> CausalLM:
+    """A `CausalLM` from a HF model folder or a `.gguf` file, weights in `dtype`."""
     if path.suffix == ".gguf":
         hf_config, state = read_gguf(path, dtype)
         return build_model(model_config_from_hf(hf_config, source=path), state, dtype, source=path)

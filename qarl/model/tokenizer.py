@@ -1,9 +1,9 @@
 """Tokenizer: one place for encode / decode, chat templates and EOS / padding ids.
 
-Wraps a transformers tokenizer (`.hf`) read from a local folder, a zoo name or the
-tokenizer embedded in a `.gguf` file. Rollout code needs three ids from it: the tokens that
-end a response (`eos_token_ids`, which include the chat end token such as `<|im_end|>`),
-the id used to pad (`pad_token_id`), and `vocab_size`.
+Wraps a transformers tokenizer (`.hf`) read from a local folder or the tokenizer embedded in
+a `.gguf` file (`qarl.model.load_tokenizer` also takes zoo names, see sources.py). Rollout code
+needs three ids from it: the tokens that end a response (`eos_token_ids`, which include the
+chat end token such as `<|im_end|>`), the id used to pad (`pad_token_id`), and `vocab_size`.
 """
 
 from __future__ import annotations
@@ -69,13 +69,10 @@ class Tokenizer:
         )
 
 
-def load_tokenizer(name_or_path: str | Path) -> Tokenizer:
-    """The tokenizer of a zoo name, a HF model folder or a `.gguf` file."""
+def read_tokenizer(path: Path) -> Tokenizer:
+    """The tokenizer of a HF model folder or a `.gguf` file."""
     from transformers import AutoTokenizer
 
-    from qarl.model.zoo import resolve  # the zoo prepares its tokenizers through this module
-
-    path = resolve(name_or_path)
     if path.suffix == ".gguf":
         return Tokenizer(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name))
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():

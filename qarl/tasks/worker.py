@@ -22,6 +22,8 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from qarl.tasks.rewards import load_reward
+
 
 def describe(exc: BaseException) -> str:
     """'Type: message (at file:line in function)' of an exception raised by a reward."""
@@ -51,8 +53,6 @@ def score_one(fn: Any, prompt: str, completion: str, fields: dict[str, Any]) -> 
 
 def serve(inbox: Connection, outbox: Connection) -> None:
     """Load the reward named by the first message, report, then answer calls until None."""
-    from qarl.tasks.rewards import load_reward
-
     spec, parent_sys_path = inbox.recv()
     sys.path[:] = parent_sys_path  # what a user's "module:function" was written against
     try:

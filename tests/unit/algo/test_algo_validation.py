@@ -45,6 +45,13 @@ def test_tbpo_defaults_are_the_method_values():
     assert correction_params("tis_token") == {"cap": 2.0}
 
 
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_every_loss_takes_aggregation_and_norm_len(name):
+    """Every loss accepts `aggregation` and `norm_len`: the trainer passes algo.aggregation and
+    the response budget to whichever loss a recipe names."""
+    assert {"aggregation", "norm_len"} <= set(loss_params(name))
+
+
 def test_validate_reports_every_problem_at_once():
     """Unknown key, negative eps, band_low > band_high and cap < 1 all appear in one error."""
     with pytest.raises(ValueError) as err:

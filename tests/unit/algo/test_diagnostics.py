@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from qarl.algo.diagnostics import (
-    FINISH_LENGTH,
     error_token_metrics,
     garbled,
     has_repeat_run,
@@ -17,6 +16,7 @@ from qarl.algo.diagnostics import (
     rep_run,
     truncated,
 )
+from qarl.types import FINISH_LENGTH
 
 
 def _mask(lengths, width):
@@ -124,13 +124,6 @@ def test_truncated_lowprob_and_garbled():
     assert lowprob_tokens(logp, _mask([3, 2], 3)) == pytest.approx(1 / 5)
     assert garbled([True, False, False, True]) == 0.5
     assert math.isnan(truncated([])) and math.isnan(garbled([]))
-
-
-def test_finish_length_matches_the_shared_type():
-    """The 'length' finish reason here is the one RolloutBatch uses."""
-    from qarl.types import FINISH_LENGTH as shared
-
-    assert FINISH_LENGTH == shared
 
 
 def test_error_token_metrics_reports_what_it_has_inputs_for():

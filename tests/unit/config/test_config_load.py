@@ -55,7 +55,7 @@ def test_parse_overrides_errors(items, fragment):
         parse_overrides(items)
 
 
-def test_overrides_apply_at_any_depth(base_toml, write_recipe, fake_registries):
+def test_overrides_apply_at_any_depth(base_toml, write_recipe):
     """String and dict overrides set nested values; the dict form takes values as they are."""
     path = write_recipe(base_toml)
     config = load_config(path, ["--algo.loss_params.eps_high=5e-4", "--quant.include=[\"q_proj\"]",
@@ -68,7 +68,7 @@ def test_overrides_apply_at_any_depth(base_toml, write_recipe, fake_registries):
     assert same == config
 
 
-def test_unset_restores_the_default(base_toml, write_recipe, fake_registries):
+def test_unset_restores_the_default(base_toml, write_recipe):
     """--key= and a None dict value remove a recipe's key so the default applies."""
     path = write_recipe(base_toml + '[algo]\ncorrection = "tis_token"\n')
     assert load_config(path).algo.correction == "tis_token"
@@ -76,7 +76,7 @@ def test_unset_restores_the_default(base_toml, write_recipe, fake_registries):
     assert load_config(path, {"algo.correction": None}).algo.correction is None
 
 
-def test_derived_fields_are_resolved(base_toml, write_recipe, fake_registries):
+def test_derived_fields_are_resolved(base_toml, write_recipe):
     """run.name comes from the file stem; eval size / temperature / length from task and
     rollout unless set; a dataset path is made absolute."""
     config = load_config(write_recipe(base_toml, name="my-run"),
@@ -87,7 +87,7 @@ def test_derived_fields_are_resolved(base_toml, write_recipe, fake_registries):
     assert (config.eval.size, config.eval.max_new_tokens) == (5, 3)
 
 
-def test_dataset_path_is_resolved(base_toml, write_recipe, fake_registries, tmp_path, monkeypatch):
+def test_dataset_path_is_resolved(base_toml, write_recipe, tmp_path, monkeypatch):
     """A relative dataset path is checked against the current folder and saved absolute."""
     (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
     monkeypatch.chdir(tmp_path)
@@ -95,7 +95,7 @@ def test_dataset_path_is_resolved(base_toml, write_recipe, fake_registries, tmp_
     assert config.task.dataset == str(tmp_path / "rows.jsonl")
 
 
-def test_default_is_packaged_default(fake_registries):
+def test_default_is_packaged_default():
     """load_config(None) is recipes/default.toml, which is the packaged qarl/recipes copy."""
     assert load_config(None) == load_config(str(REPO / "recipes" / "default.toml"))
     assert load_config(None) == load_config("default")
@@ -111,12 +111,12 @@ def test_repo_recipes_are_the_packaged_ones():
 
 
 @pytest.mark.parametrize("name", ["default", "tiny", "compare"])
-def test_packaged_recipes_load(name, fake_registries):
+def test_packaged_recipes_load(name):
     """Every packaged recipe loads without a problem."""
     assert load_config(name).run.name == name
 
 
-def test_compare_arms_load(fake_registries):
+def test_compare_arms_load():
     """The five arm override lists documented in compare.toml all load and differ as stated."""
     text = (RECIPES_DIR / "compare.toml").read_text()
     arms = [line.split(":", 1)[1].split() for line in text.splitlines()
@@ -130,7 +130,7 @@ def test_compare_arms_load(fake_registries):
     assert [c.algo.loss for c in configs] == ["grpo"] * 4 + ["tbpo"]
 
 
-def test_run_config_is_rechecked(fake_registries):
+def test_run_config_is_rechecked():
     """A RunConfig passed back in is validated again (cross-field checks included)."""
     config = load_config(None)
     assert load_config(config) == config
@@ -159,7 +159,7 @@ TRICKY = ['quote " and \\ backslash', "tab\tnew\nline", "unicode: π ≈ 3.14 �
 
 
 @pytest.mark.parametrize("text", TRICKY)
-def test_resolved_round_trip_strings(text, tmp_path, fake_registries):
+def test_resolved_round_trip_strings(text, tmp_path):
     """Strings with escapes, control characters and non-ASCII survive save -> load exactly."""
     config = load_config(None, {"task.system_prompt": text, "quant.include": [text, "x"]})
     path = save_resolved(config, tmp_path / "run")
@@ -167,7 +167,7 @@ def test_resolved_round_trip_strings(text, tmp_path, fake_registries):
     assert load_config(path) == config
 
 
-def test_resolved_round_trip_everything(tmp_path, fake_registries):
+def test_resolved_round_trip_everything(tmp_path):
     """A config with every kind of value (floats of any size, nested tables, optional tables,
     unions) is equal after save_resolved -> load_config, and writing it again is identical."""
     overrides = {
@@ -186,20 +186,20 @@ def test_resolved_round_trip_everything(tmp_path, fake_registries):
     assert to_toml(again) == to_toml(config)
 
 
-def test_resolved_config_keeps_its_name(tmp_path, fake_registries):
+def test_resolved_config_keeps_its_name(tmp_path):
     """The saved config.toml carries run.name, so reloading it does not rename the run."""
     config = load_config("tiny")
     assert load_config(save_resolved(config, tmp_path)).run.name == "tiny"
 
 
-def test_model_path_is_resolved(tmp_path, fake_registries, monkeypatch):
+def test_model_path_is_resolved(tmp_path, monkeypatch):
     """A local model path (not a zoo name) is accepted when it exists and saved absolute."""
     (tmp_path / "m").mkdir()
     monkeypatch.chdir(tmp_path)
     assert load_config(None, {"model.name": "m"}).model.name == str(tmp_path / "m")
 
 
-def test_loaded_config_is_frozen(fake_registries):
+def test_loaded_config_is_frozen():
     """A loaded config cannot be changed by accident (the trainer reads, never writes)."""
     config = load_config(None)
     with pytest.raises(Exception):

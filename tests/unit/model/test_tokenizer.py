@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from qarl.model.tokenizer import CHATML_TEMPLATE, Tokenizer, load_tokenizer, save_byte_bpe, train_byte_bpe
+from qarl.model import load_tokenizer
+from qarl.model.tokenizer import CHATML_TEMPLATE, Tokenizer, save_byte_bpe, train_byte_bpe
 
 CORPUS = ["What is 1 + 2?", "Answer: 3", "carry the one"] * 20
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|eot_id|>"]

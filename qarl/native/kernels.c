@@ -254,19 +254,6 @@ void qarl_s8_panels(const int8_t* x, int64_t M, int64_t Kq, int64_t ld, const fl
     }
 }
 
-// y[M, N] float32 = (xq[M, K] . codes^T) * xs[:, None] * ws[None, :]; xq int8 (row stride
-// ldx), wp from qarl_pack_s8, ws padded to P8 * NR8.
-void qarl_linear_s8(const int8_t* xq, int64_t M, int64_t K, int64_t ldx, const float* xs,
-                    const int8_t* wp, const float* ws, int64_t N, float* y, int64_t ldy,
-                    int nthreads) {
-    int64_t Kq = (K + 3) / 4, ld = Kq * 4;
-    int8_t* x = (int8_t*)calloc((size_t)(M * ld), 1);  // rows zero padded to whole quads
-    for (int64_t m = 0; m < M; m++) memcpy(x + m * ld, xq + m * ldx, (size_t)K);
-#pragma omp parallel num_threads(nthreads)
-    qarl_s8_panels(x, M, Kq, ld, xs, wp, ws, N, 0, 0, 0, y, ldy);
-    free(x);
-}
-
 // One row as numerics.int8_rows quantizes it: s = max|x| / 127 (1 for an all-zero row),
 // q = clamp(round_half_even(x / s), -127, 127), with a true division like torch's.
 void qarl_quantize_row_s8(const float* x, int64_t K, int8_t* q, float* scale) {
@@ -296,12 +283,6 @@ void qarl_quantize_row_s8(const float* x, int64_t K, int8_t* q, float* scale) {
         float v = __builtin_nearbyintf(x[k] / s);  // the default rounding mode: half to even
         q[k] = (int8_t)(v > 127.f ? 127.f : v < -127.f ? -127.f : v);
     }
-}
-
-// Rows of x [M, K] float32 -> codes [M, K] int8 and scales [M]: numerics.int8_rows, exactly.
-void qarl_quantize_rows_s8(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q,
-                           float* scales) {
-    for (int64_t m = 0; m < M; m++) qarl_quantize_row_s8(x + m * ldx, K, q + m * K, scales + m);
 }
 
 // The dynamic W8A8 linear in one call: rows of x quantized as above, then the int8 GEMM.

@@ -59,11 +59,6 @@ def native_ok(device: torch.device) -> bool:
     return device.type == "cpu" and native.available()
 
 
-def native_f32_ok(device: torch.device, qw) -> bool:
-    """The native fp32 GEMM applies: a CPU that runs it and an fp32 (or quantized) weight."""
-    return native_ok(device) and (qw.scheme != "none" or qw.codes.dtype == torch.float32)
-
-
 def onednn_available(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available()
 

@@ -1,4 +1,4 @@
-"""Compile kernels.c, attention.c and decode.c once per machine and load them with ctypes.
+"""Compile kernels.c, kernels_s8.c, attention.c and decode.c once per machine and load them with ctypes.
 
 The shared library is built on first use with the system C compiler (no torch headers, so it
 takes about a second) into `$QARL_HOME/kernels/qarl_cpu-<hash>.so`, the hash covering the
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loaded first: its libgomp is the one kernels.c links against)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "attention.c", "decode.c")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("kernels.c", "kernels_s8.c", "attention.c", "decode.c")]
 # included by the sources: part of the hash
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "kernels.h")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]

@@ -10,7 +10,7 @@ from torch import Tensor
 from qarl.native.ffi import _lib, _ptr, _rows, _threads
 
 NR = 24  # output columns per fp32 / int4 panel (kernels.c)
-NR8 = 16  # output columns per int8 panel
+NR8 = 16  # output columns per int8 panel (kernels_s8.c)
 
 
 def _panels(n: int) -> int:

@@ -7,12 +7,20 @@ Part 2 ("decode"): `qarl.rollout.LocalEngine` greedy decode ms/step per format (
 quantized in kernel mode, lm_head left to the engine in fp32; with `--lm-head both` each
 format also as "<format>+lm_head", lm_head quantized too) on the 109M Qwen3 config and on
 smollm2-135m, batch 1 and 16; step time = (t(N tokens) - t(1 token)) / (N - 1), best of
-`--repeats`, the formats' engines built side by side and their timed calls interleaved. Run it on a quiet machine: with other jobs on a 2-core machine two OpenMP threads
-make every GEMM wait on the busier core (10-30x slower M>1 fp32 GEMMs measured); the load
-average before and after is recorded.
+`--repeats`, the formats' engines built side by side and their timed calls interleaved.
+Part 3 ("blocks", not in the default `--parts`): one decode step's decoder blocks alone, 30
+`qarl.native.DecodeBlock`s with synthetic weights of SmolLM2-135M's and the 109M config's
+shapes, one token per sequence over 33 cached keys, for the formats whose projections are
+native GEMMs (fp32 = the `none` format on fp32 weights): the engine's call without the lm_head,
+sampling and the loop.
 
-    .venv/bin/python benchmarks/quant_kernels.py                # everything (~10 min)
+Run it on a quiet machine: with other jobs on a 2-core machine two OpenMP threads make every
+GEMM wait on the busier core (10-30x slower M>1 fp32 GEMMs measured); the load average before
+and after is recorded.
+
+    .venv/bin/python benchmarks/quant_kernels.py                # layers and decode (~10 min)
     .venv/bin/python benchmarks/quant_kernels.py --parts layers --shapes 1024x4096
+    .venv/bin/python benchmarks/quant_kernels.py --parts blocks --formats none,w8a8-int8,w4a16-int4
 """
 
 from __future__ import annotations
@@ -130,6 +138,52 @@ def decode_figures(models, batches, formats, new_tokens, repeats, prompt_len,
             f"'{LM_HEAD_SUFFIX}'), formats interleaved"), out
 
 
+BLOCK_SHAPES = {  # d, ffn, heads, kv heads, head dim, q/k norm (Qwen3)
+    "smollm2-135m": (576, 1536, 9, 3, 64, False),
+    "qwen3-109m": (1024, 3072, 16, 8, 64, True),
+}
+
+
+def _block(scheme, d, ffn, H, Hkv, D, qk_norm, g):
+    """A DecodeBlock of random weights under `scheme`, or None if its GEMMs are not native."""
+    gemms = []
+    for n, k in (((H + 2 * Hkv) * D, d), (d, H * D), (2 * ffn, d), (d, ffn)):
+        qw = scheme.quantize(torch.randn(n, k, generator=g) * 0.02)
+        operand = scheme.native_operand(qw, torch.device("cpu"))
+        if operand is None:
+            return None
+        gemms.append(native.BlockGemm(*operand))
+    norm = torch.ones(D) if qk_norm else None
+    return native.DecodeBlock(*gemms, torch.ones(d), torch.ones(d), (1e-6, 1e-6), H, Hkv, D,
+                              q_norm=norm, k_norm=norm, qk_eps=1e-6 if qk_norm else 0.0)
+
+
+def block_figures(models, batches, formats, layers: int = 30, keys: int = 33) -> list[dict]:
+    out = []
+    for model_name in models:
+        d, ffn, H, Hkv, D, qk_norm = BLOCK_SHAPES[model_name]
+        for name in formats:
+            g = torch.Generator().manual_seed(0)
+            blocks = [_block(SCHEMES[name], d, ffn, H, Hkv, D, qk_norm, g) for _ in range(layers)]
+            if blocks[0] is None:
+                continue
+            for batch in batches:
+                caches = [torch.randn(2, batch, Hkv, keys, D, generator=g) for _ in range(layers)]
+                cos, sin = torch.ones(1, 1, 1, D), torch.zeros(1, 1, 1, D)
+                x = torch.randn(batch, 1, d, generator=g)
+
+                def step():
+                    h = x
+                    for block, cache in zip(blocks, caches):
+                        h = block(h, cos, sin, cache[0], cache[1], keys - 1, None)
+
+                case = {"model": model_name, "format": name, "batch": batch,
+                        "blocks": layers, "ms_per_step": best_ms(step)}
+                out.append(case)
+                print(json.dumps(case), flush=True)
+    return out
+
+
 def add_speedups(cases: list[dict]) -> None:
     base = {(c["model"], c["batch"]): c["ms_per_step"] for c in cases if c["format"] == "fp32"}
     for c in cases:
@@ -170,6 +224,12 @@ def main(argv=None) -> dict:
         )
         add_speedups(cases)
         report["decode_engine"], report["decode"] = engine, cases
+    if "blocks" in parts:
+        if not native.available():
+            raise SystemExit(f"--parts blocks needs qarl.native: {native.why_unavailable()}")
+        report["blocks"] = block_figures(
+            [m for m in args.models.split(",") if m in BLOCK_SHAPES],
+            [int(b) for b in args.batches.split(",")], formats)
     report["load_average_after"] = list(os.getloadavg())
     print(json.dumps(report, indent=1))
     return report

@@ -101,22 +101,6 @@ static void attend_heads(const float* q, int64_t B, int64_t H, int64_t Hkv, int6
     }
 }
 
-// attend_heads in its own parallel region.
-void qarl_attend_decode(const float* q, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                        const float* k, int64_t k_sb, int64_t k_sh, int64_t k_ss,
-                        const float* v, int64_t v_sb, int64_t v_sh, int64_t v_ss, int64_t S,
-                        const uint8_t* mask, int64_t mask_sb, float scale, float* out,
-                        int nthreads) {
-    int64_t S8 = (S + 7) / 8 * 8;
-#pragma omp parallel num_threads(nthreads)
-    {
-        float* p = (float*)malloc(sizeof(float) * (size_t)(S8 > 0 ? S8 : 8));
-        attend_heads(q, B, H, Hkv, D, k, k_sb, k_sh, k_ss, v, v_sb, v_sh, v_ss, S, mask, mask_sb,
-                     scale, p, out);
-        free(p);
-    }
-}
-
 // x[D] -> RoPE-rotated into out[D] (HF's non-interleaved "rotate_half" layout):
 // out[d] = x[d] cos[d] + (-x[d + D/2]) sin[d] for d < D/2, x[d] cos[d] + x[d - D/2] sin[d]
 // after. Two products and a sum, each rounded (built with -ffp-contract=off): the same bits as

@@ -1,4 +1,4 @@
-"""Compile kernels.c, attention.c and decode.c once per machine and load them with ctypes.
+"""Compile kernels.c, kernels_s8.c, attention.c and decode.c once per machine and load them with ctypes.
 
 The shared library is built on first use with the system C compiler (no torch headers, so it
 takes about a second) into `$QARL_HOME/kernels/qarl_cpu-<hash>.so`, the hash covering the
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loaded first: its libgomp is the one kernels.c links against)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "attention.c", "decode.c")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("kernels.c", "kernels_s8.c", "attention.c", "decode.c")]
 # included by the sources: part of the hash
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "kernels.h")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
@@ -89,12 +90,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "qarl_pack_f32": [p, i64, i64, i64, p, i32],
         "qarl_linear_f32": [p, i64, i64, i64, p, i64, p, p, i64, p, i64, i32],
         "qarl_pack_s8": [p, i64, i64, i64, p, i32],
-        "qarl_linear_s8": [p, i64, i64, i64, p, p, p, i64, p, i64, i32],
-        "qarl_quantize_rows_s8": [p, i64, i64, i64, p, p],
         "qarl_linear_s8_dynamic": [p, i64, i64, i64, p, p, i64, p, i64, i32],
         "qarl_pack_u4": [p, i64, i64, i64, p, i32],
-        "qarl_attend_decode": [p, i64, i64, i64, i64, p, i64, i64, i64, p, i64, i64, i64, i64,
-                               p, i64, f32, p, i32],
         "qarl_linear_u4": [p, i64, i64, i64, p, p, p, i64, i64, i32, p, i64, i32],
         "qarl_decode_attention": [p, i64, i64, i64, i64, p, p, f32, p, p, i64, p, p, i64, i64,
                                   i64, i64, p, i64, f32, p, p, i32],

@@ -49,7 +49,8 @@ void qarl_silu_mul(const float* gate_up, int64_t M, int64_t F, float* out, int n
 
 enum { GEMM_F32 = 0, GEMM_S8 = 1, GEMM_U4_BF16 = 2, GEMM_U4_S8 = 3 };
 
-// One projection: its kernel, packed weight and bias (qarl/native/__init__.py builds these).
+// One projection: its kernel, packed weight and bias (DecodeBlock in decode.py builds these;
+// `kind` is decode.py's GemmKind, which the quantization scheme names).
 typedef struct {
     int32_t kind;   // GEMM_*: fp32 panels; W8A8 (rows quantized per token); int4 groups with
                     // bf16-rounded rows (W4A16); int4 groups with int8 rows (W4A8)
@@ -117,8 +118,9 @@ static void block_gemm(const qarl_gemm* g, const float* x, int64_t M, float* y, 
 
 static int is_u4(const qarl_gemm* g) { return g->kind == GEMM_U4_BF16 || g->kind == GEMM_U4_S8; }
 
-// x [B, d] (in place) = the block applied to one token per sequence: the fused block of
-// qarl/rollout/prepack.py. Cache, RoPE and mask arguments as qarl_decode_attention's.
+// x [B, d] (in place) = the block applied to one token per sequence, as the engine's
+// step-by-step fused block (qarl.rollout) computes it. Cache, RoPE and mask arguments as
+// qarl_decode_attention's.
 void qarl_decode_block(const qarl_block* blk, float* x, int64_t B, const float* cos,
                        const float* sin, int64_t cs_sb, float* kc, float* vc, int64_t c_sb,
                        int64_t c_sh, int64_t c_ss, int64_t slot, const uint8_t* mask,

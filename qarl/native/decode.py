@@ -14,30 +14,6 @@ from qarl.native.ffi import _lib, _ptr, _rows, _threads
 from qarl.native.gemm import PackedF32, PackedS8, PackedU4
 
 
-def attend_decode(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """Attention of one query per sequence: q [B, H, 1, D], k / v [B, Hkv, S, D] (views of a KV
-    cache are fine: unit stride along D), mask [B or 1, 1, 1, S] bool (True = may attend) or
-    None -> [B, H, 1, D] float32, softmax(q k^T / sqrt(D)) v with grouped-query heads (as SDPA
-    with enable_gqa). Agrees with SDPA to fp32 rounding (~1e-7), not bit for bit."""
-    B, H, T, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    if T != 1 or D % 8 or H % Hkv or k.stride(-1) != 1 or v.stride(-1) != 1 or q.dtype != torch.float32:
-        raise ValueError(f"attend_decode: one float32 query per sequence, D % 8 == 0, H % Hkv == 0 "
-                         f"and unit-stride keys/values; got q {tuple(q.shape)} {q.dtype}, k "
-                         f"{tuple(k.shape)} strides {k.stride()}")
-    q = q.contiguous()
-    out = torch.empty(B, H, 1, D, dtype=torch.float32)
-    m, m_sb = None, 0
-    if mask is not None:
-        m = mask.reshape(mask.shape[0], S).to(torch.uint8).contiguous()
-        m_sb = S if m.shape[0] > 1 else 0
-    _lib().qarl_attend_decode(
-        q.data_ptr(), B, H, Hkv, D, k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
-        v.data_ptr(), v.stride(0), v.stride(1), v.stride(2), S, _ptr(m), m_sb, D ** -0.5,
-        out.data_ptr(), _threads())
-    return out
-
-
 def _step_args(what: str, B: int, Hkv: int, D: int, cos: Tensor, sin: Tensor, k_cache: Tensor,
                v_cache: Tensor, slot: int, mask: Tensor | None) -> tuple:
     """The arguments a one-token step takes after its own (cos, sin and their row stride; the

@@ -10,7 +10,7 @@ from torch import Tensor
 from qarl.native.ffi import _lib, _ptr, _rows, _threads
 
 NR = 24  # output columns per fp32 / int4 panel (kernels.c)
-NR8 = 16  # output columns per int8 panel
+NR8 = 16  # output columns per int8 panel (kernels_s8.c)
 
 
 def _panels(n: int) -> int:
@@ -87,31 +87,10 @@ def pack_s8(codes: Tensor, scales: Tensor) -> PackedS8:
     return PackedS8(out, ws, n, k)
 
 
-def linear_s8(xq: Tensor, xs: Tensor, w: PackedS8) -> Tensor:
-    """xq [M, K] int8 codes, xs [M] float32 scales -> (sum_k xq w) * xs * ws: [M, N] float32."""
-    x2 = _rows(xq, torch.int8, w.k, "linear_s8")
-    m = x2.shape[0]
-    xs = xs.float().contiguous()
-    if xs.numel() != m:
-        raise ValueError(f"linear_s8: {m} rows but {xs.numel()} activation scales")
-    y = torch.empty(m, w.n, dtype=torch.float32)
-    _lib().qarl_linear_s8(x2.data_ptr(), m, w.k, w.k, xs.data_ptr(), w.data.data_ptr(),
-                          w.scales.data_ptr(), w.n, y.data_ptr(), w.n, _threads())
-    return y
-
-
-def quantize_rows_s8(x: Tensor) -> tuple[Tensor, Tensor]:
-    """x [M, K] float32 -> codes [M, K] int8, scales [M] float32: numerics.int8_rows, exactly."""
-    x2 = _rows(x, torch.float32, x.shape[-1], "quantize_rows_s8")
-    m, k = x2.shape
-    codes = torch.empty(m, k, dtype=torch.int8)
-    scales = torch.empty(m, dtype=torch.float32)
-    _lib().qarl_quantize_rows_s8(x2.data_ptr(), m, k, k, codes.data_ptr(), scales.data_ptr())
-    return codes, scales
-
-
 def linear_s8_dynamic(x: Tensor, w: PackedS8) -> Tensor:
-    """x [M, K] float32 -> linear_s8(*quantize_rows_s8(x), w) in one call: [M, N] float32."""
+    """W8A8 with dynamic per-token activations: x [M, K] float32 -> [M, N] float32,
+    y = (sum_k q_x w_q) * s_x * s_w with (q_x, s_x) = numerics.int8_rows(x) computed in the
+    kernel (the same codes and scales bit for bit) and the int32 sum exact."""
     x2 = _rows(x, torch.float32, w.k, "linear_s8_dynamic")
     m = x2.shape[0]
     y = torch.empty(m, w.n, dtype=torch.float32)

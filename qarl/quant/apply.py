@@ -134,10 +134,3 @@ def describe(model: nn.Module) -> dict[str, str]:
         for name, layer in quant_layers(model).items()
     }
 
-
-def set_mode(model: nn.Module, mode: str) -> nn.Module:
-    """Switch every QuantLinear to `mode` (keeps schemes and cached QWeights)."""
-    check_mode(mode)
-    for layer in quant_layers(model).values():
-        layer.mode = mode
-    return model

@@ -59,11 +59,6 @@ def native_ok(device: torch.device) -> bool:
     return device.type == "cpu" and native.available()
 
 
-def native_f32_ok(device: torch.device, qw) -> bool:
-    """The native fp32 GEMM applies: a CPU that runs it and an fp32 (or quantized) weight."""
-    return native_ok(device) and (qw.scheme != "none" or qw.codes.dtype == torch.float32)
-
-
 def onednn_available(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available()
 
@@ -155,10 +150,8 @@ def cuda_fp8_supported(device: torch.device, n: int, k: int) -> bool:
 
 
 def cuda_scaled_mm(xq: Tensor, x_scales: Tensor, wq: Tensor, w_scales: Tensor) -> Tensor:
-    """Row-wise scaled FP8 GEMM on CUDA: (xq * sx[:, None]) @ (wq * sw[:, None])^T -> bf16.
-
-    Not run on the development machine (no GPU): see README.
-    """
+    """Row-wise scaled FP8 GEMM on CUDA: (xq * sx[:, None]) @ (wq * sw[:, None])^T -> bf16
+    (tested by tests/gpu, skipped without CUDA)."""
     return torch._scaled_mm(
         xq, wq.t(), scale_a=x_scales[:, None].contiguous(), scale_b=w_scales[None, :].contiguous(),
         out_dtype=torch.bfloat16,

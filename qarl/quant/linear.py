@@ -1,11 +1,10 @@
-"""QuantLinear: an nn.Linear replacement whose forward runs a scheme, in one of three modes.
+"""QuantLinear: an nn.Linear replacement whose forward runs a scheme, in one of two modes.
 
-- `none`:   y = x W^T + b with the master weight (plain F.linear; the naive QaRL arm).
 - `fake`:   y = F.linear(act_qdq(x), dequantize(quantize(W))) + b: the scheme's quantizers,
             floating-point matmul. Same primitives as `kernel`; only the matmul differs.
 - `kernel`: y = scheme.linear(x, quantize(W)) + b: the engine's own kernel, bit for bit.
 
-Backward (fake and kernel) is the straight-through estimator: quantizers count as identity,
+Backward (both modes) is the straight-through estimator: quantizers count as identity,
 so with x_hat = act_qdq(x) and W_hat = dequantize(quantize(W)):
     dL/dx = g W_hat,   dL/dW = g^T x_hat,   dL/db = sum_rows g
 i.e. the gradient of F.linear(x_hat, W_hat) w.r.t. W_hat lands on the master weight W.
@@ -25,12 +24,14 @@ from torch import Tensor, nn
 from qarl.quant.qweight import QWeight
 from qarl.quant.schemes import Scheme, make_scheme
 
-MODES = ("none", "fake", "kernel")
+MODES = ("fake", "kernel")
 
 
 def check_mode(mode: str) -> str:
     if mode not in MODES:
-        raise ValueError(f"unknown QuantLinear mode {mode!r}; valid: {sorted(MODES)}")
+        raise ValueError(f"unknown QuantLinear mode {mode!r}; valid: {sorted(MODES)} (a layer "
+                         f"meant to run in full precision stays an nn.Linear: leave it out of "
+                         f"quantize_model's include)")
     return mode
 
 
@@ -117,8 +118,6 @@ class QuantLinear(nn.Module):
         return self._dequantized
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., in] -> [..., out]
-        if self.mode == "none":
-            return F.linear(x, self.weight, self.bias)
         qw = self.qweight()
         needs_grad = torch.is_grad_enabled() and (
             x.requires_grad or self.weight.requires_grad
@@ -143,8 +142,6 @@ class QuantLinear(nn.Module):
         return y.to(x.dtype)
 
     def kernel_path(self) -> str:
-        if self.mode == "none":
-            return "F.linear on the master weight (mode none)"
         if self.mode == "fake":
             return "F.linear on act_qdq(x) and the dequantized weight (mode fake)"
         return self.scheme.kernel_path(self.weight.device, self.qweight())

@@ -1,7 +1,8 @@
 """QWeight: one quantized weight matrix (codes + scales + layout), the unit pushed to engines.
 
 A QWeight is plain data. It knows how to turn itself into a flat dict of tensors (for
-safetensors, or a wire format) and back; the math that reads it lives in `schemes.py`.
+safetensors, or a wire format) and back; the math that reads it lives in its scheme
+(`SCHEMES[qw.scheme]`).
 Kernel-ready operands (packed int4, transposed codes) are derived lazily per device and kept
 in `prepared`, which is never serialized: it is a cache of a pure function of the codes.
 """
@@ -19,17 +20,9 @@ _LAYOUT_KEY = "layout"  # uint8 tensor holding the JSON layout, so one dict roun
 
 @dataclass
 class QWeight:
-    """A quantized [out_features, in_features] weight. Field shapes per scheme (N out, K in):
-
-    - none:           codes [N, K] master dtype (the weight itself); no scales
-    - w8a8-int8:      codes [N, K] int8; scales [N] float32
-    - w8a8-fp8:       codes [N, K] float8_e4m3fn; scales [N] float32
-    - w8a8-fp8-block: codes [N, K] float8_e4m3fn; scales [ceil(N/128), ceil(K/128)] float32
-    - w4a16-int4, w4a8-int: codes [N, K/2] uint8 (two unsigned nibbles, low first, u = q + 8);
-                      scales [N, K/g] bfloat16; zeros [N, K/g] bfloat16 if asymmetric
-    - w4a16-nvfp4:    codes [N, K/2] uint8 (two FP4 E2M1 nibbles, low first);
-                      scales [N, K/16] float8_e4m3fn; global_scale [] float32
-    """
+    """A quantized [out_features, in_features] weight: N out, K in. Which fields a format
+    fills, with which shapes and dtypes, is written on its scheme class (qarl/quant/schemes*.py);
+    the fields below are the union."""
 
     scheme: str  # SCHEMES key
     shape: tuple[int, int]  # (N, K) of the dequantized weight
@@ -37,7 +30,7 @@ class QWeight:
     scales: Tensor | None = None
     zeros: Tensor | None = None
     global_scale: Tensor | None = None
-    group_size: int = 0  # int4 group / nvfp4 block / fp8 block edge; 0 = per output channel
+    group_size: int = 0  # elements along K sharing a scale (a block edge); 0 = per output channel
     symmetric: bool = True
     prepared: dict = field(default_factory=dict, repr=False, compare=False)
 

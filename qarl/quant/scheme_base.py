@@ -1,10 +1,20 @@
-"""Schemes: one object per format with quantize / dequantize / act_qdq / linear.
+"""Scheme: one object per format, the only home of what depends on the format.
 
+A format is a frozen dataclass subclassing `Scheme` (its fields are its options, e.g. group
+size) with a class attribute `name` (its SCHEMES key) and five methods:
 `quantize(w [N, K]) -> QWeight`; `dequantize(qw) -> [N, K] float32`; `act_qdq(x [M, K]) ->
-[M, K] float32` is the activation quantizer followed by its dequantizer (what the kernel
+[M, K] float32`, the activation quantizer followed by its dequantizer (what the kernel
 effectively multiplies; `fake` mode and the straight-through backward use it);
-`linear(x [..., K], qw, bias) -> [..., N]` in x's dtype runs the kernel path for x's device.
-`kernel_path(device, qw)` names the path and why it was chosen (for logs).
+`matmul(rows [M, K], qw) -> [M, N]`, the kernel on checked rows of a device it supports; and
+`kernel_path(device, qw)`, the path and why it was chosen (for logs). The base class gives
+`linear(x [..., K], qw, bias) -> [..., N]` in x's dtype around `matmul`.
+
+What the engine asks of a format, with defaults that are always correct and optional
+overrides that make it faster: `row_separable` (layers sharing an input may be stacked into
+one QWeight, `stack_rows`, and run as one GEMM), `bound(qw, device)` (the kernel with its
+choice and operands fixed once), `native_operand(qw, device)` (the qarl.native GEMM kind and
+packed weight when `matmul` is one of them, so the one-call `qarl.native.DecodeBlock` can run
+the layer), and `is_identity` (the format computes what the unquantized model computes).
 
 Activations of the A16 formats are rounded to bfloat16 (the "16" of W4A16), whatever the
 model dtype; the int8/fp8 activation formats quantize per token on the fly.
@@ -51,9 +61,10 @@ def run_rows(run, x: Tensor, bias: Tensor | None, n: int) -> Tensor:
 
 @dataclass(frozen=True)
 class Scheme:
-    """Base: shared input checks, flattening and bias; subclasses define the math."""
+    """Base: shared input checks, flattening and bias; subclasses define the math (see the
+    module doc for what a subclass defines and what it may override)."""
 
-    name = "base"
+    name = "base"  # the SCHEMES key; also stored in every QWeight this scheme makes
     # Row n of the weight is quantized from row n alone (per-channel scales, or groups along
     # K): the layers that share an input can be stacked into one QWeight (`stack_rows`) and
     # run as one GEMM with exactly each layer's outputs.
@@ -62,6 +73,21 @@ class Scheme:
     # it computes what the unquantized model computes.
     is_identity = False
 
+    def quantize(self, w: Tensor) -> QWeight:  # w [N, K] -> codes + scales
+        raise NotImplementedError(f"{type(self).__name__} must define quantize")
+
+    def dequantize(self, qw: QWeight) -> Tensor:  # -> [N, K] float32
+        raise NotImplementedError(f"{type(self).__name__} must define dequantize")
+
+    def act_qdq(self, x: Tensor) -> Tensor:  # [M, K] -> [M, K] float32
+        raise NotImplementedError(f"{type(self).__name__} must define act_qdq")
+
+    def matmul(self, x: Tensor, qw: QWeight) -> Tensor:  # [M, K] -> [M, N]
+        raise NotImplementedError(f"{type(self).__name__} must define matmul")
+
+    def kernel_path(self, device: torch.device, qw: QWeight) -> str:
+        raise NotImplementedError(f"{type(self).__name__} must define kernel_path")
+
     def options(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
@@ -69,14 +95,14 @@ class Scheme:
         check_input(x, self.name)
         if x.shape[-1] != qw.shape[1]:
             raise ValueError(f"input has {x.shape[-1]} features, the {self.name} weight expects {qw.shape[1]}")
-        return run_rows(lambda rows: self._linear(rows, qw), x, bias, qw.shape[0])
+        return run_rows(lambda rows: self.matmul(rows, qw), x, bias, qw.shape[0])
 
     def bound(self, qw: QWeight, device: torch.device):
-        """`rows [M, K] -> _linear(rows, qw)` for checked inputs on `device`, with the kernel
+        """`rows [M, K] -> matmul(rows, qw)` for checked inputs on `device`, with the kernel
         choice and operand preparation done once: what the engine's fused blocks call ~100
         times per token (`run_rows(scheme.bound(qw, d), x, bias, N) == scheme.linear(x, qw,
         bias)` bit for bit)."""
-        return lambda rows: self._linear(rows, qw)
+        return lambda rows: self.matmul(rows, qw)
 
     def native_operand(self, qw: QWeight, device: torch.device) -> tuple[nat.GemmKind, object] | None:
         """(native.GemmKind, packed weight) when this format's linear on `device` is one of qarl.native's
@@ -95,7 +121,7 @@ class Scheme:
     def float_gemm(self, x: Tensor, qw: QWeight, weight) -> Tensor:
         """x [M, K] . weight()^T with a batch-invariant GEMM: the native fp32 kernel on a CPU
         that runs it (weight packed once per QWeight), else `batch_invariant_linear`."""
-        if K.native_f32_ok(x.device, qw):
+        if self.native_f32_ok(x.device, qw):
             return nat.linear_f32(x.float(), self.native_f32(qw, x.device, weight))
         w = self.prepared(qw, x.device, "dequantized", weight)
         return K.batch_invariant_linear(x, w)
@@ -104,8 +130,14 @@ class Scheme:
         """weight() [N, K] float32 packed for qarl.native's fp32 GEMM, once per QWeight."""
         return self.prepared(qw, device, "native-f32", lambda: nat.pack_f32(weight()))
 
+    def native_f32_ok(self, device: torch.device, qw: QWeight) -> bool:
+        """qarl.native's fp32 GEMM runs `float_gemm` here: a CPU that runs it, and the fp32
+        weight of a dequantizing format (a format whose weight may be in another dtype says
+        so by overriding this)."""
+        return K.native_ok(device)
+
     def float_gemm_path(self, device: torch.device, qw: QWeight) -> str:
-        if K.native_f32_ok(device, qw):
+        if self.native_f32_ok(device, qw):
             return "native fp32 GEMM (qarl.native, one fma chain per output)"
         return f"batch_invariant_linear ({K.BI_TILE}-row tiles)"
 

@@ -1,5 +1,6 @@
-"""The format registry `SCHEMES`, `make_scheme`, and the full-precision and 8-bit formats
-(the 4-bit ones live in `schemes_4bit.py`, the shared contract in `scheme_base.py`)."""
+"""The format registry `SCHEMES` (`register_scheme` adds a format), `make_scheme`, and the
+full-precision and 8-bit formats (the 4-bit ones live in `schemes_4bit.py`, the shared
+contract in `scheme_base.py`)."""
 
 from __future__ import annotations
 
@@ -12,21 +13,18 @@ from qarl import native as nat
 from qarl.quant import kernels as K
 from qarl.quant import numerics as nm
 from qarl.quant.qweight import QWeight
-from qarl.quant.scheme_base import ACT_DTYPES, DEVICES, Scheme, check_input
-from qarl.quant.schemes_4bit import INT4_GEMMS, INT4_GROUP_SIZES, Int4Scheme, Nvfp4Scheme, W4A8Scheme
+from qarl.quant.scheme_base import Scheme
+from qarl.quant.schemes_4bit import Int4Scheme, Nvfp4Scheme, W4A8Scheme
 
 __all__ = [
-    "ACT_DTYPES", "DEVICES", "FP8_BLOCK", "INT4_GEMMS", "INT4_GROUP_SIZES", "INT8_GEMMS", "SCHEMES",
-    "Scheme", "check_input", "make_scheme", "scheme_of", "scheme_options",
+    "SCHEMES", "Scheme", "make_scheme", "register_scheme", "scheme_options", "unregister_scheme",
 ]
-
-INT8_GEMMS = ("auto", "int_mm", "native", "onednn", "sgemm")
-FP8_BLOCK = 128
 
 
 @dataclass(frozen=True)
 class NoneScheme(Scheme):
-    """Full precision. The QWeight holds a copy of the weight; linear is the batch-invariant GEMM."""
+    """Full precision: linear is the batch-invariant GEMM on the weight itself.
+    QWeight: codes [N, K] in the master dtype (a copy of the weight); no scales."""
 
     name = "none"
     row_separable = True
@@ -42,13 +40,17 @@ class NoneScheme(Scheme):
     def act_qdq(self, x: Tensor) -> Tensor:
         return x.float()
 
-    def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
+    def matmul(self, x: Tensor, qw: QWeight) -> Tensor:
         return self.float_gemm(x, qw, lambda: qw.codes)
 
     def native_operand(self, qw: QWeight, device: torch.device) -> tuple[nat.GemmKind, object] | None:
-        if not K.native_f32_ok(device, qw):
+        if not self.native_f32_ok(device, qw):
             return None
         return nat.GemmKind.F32, self.native_f32(qw, device, lambda: qw.codes)
+
+    def native_f32_ok(self, device: torch.device, qw: QWeight) -> bool:
+        # the weight is the master weight itself: the fp32 kernel takes an fp32 one only
+        return super().native_f32_ok(device, qw) and qw.codes.dtype == torch.float32
 
     def kernel_path(self, device: torch.device, qw: QWeight) -> str:
         return f"{self.float_gemm_path(device, qw)} in the weight's dtype: no quantization"
@@ -59,15 +61,17 @@ class Int8Scheme(Scheme):
     """W8A8 int8: symmetric per-channel weights, dynamic symmetric per-token activations.
     gemm: "auto" (CPU: native if it runs here, else onednn, else sgemm; CUDA: int_mm),
     "native", "int_mm", "onednn" or "sgemm"; all give identical int32 accumulators and the
-    same scale products, hence identical outputs (see kernels.exact_int8_gemm)."""
+    same scale products, hence identical outputs (see kernels.exact_int8_gemm).
+    QWeight: codes [N, K] int8 in [-127, 127]; scales [N] float32 (s = max|w| / 127)."""
 
     gemm: str = "auto"
     name = "w8a8-int8"
     row_separable = True
+    GEMMS = ("auto", "int_mm", "native", "onednn", "sgemm")
 
     def __post_init__(self):
-        if self.gemm not in INT8_GEMMS:
-            raise ValueError(f"w8a8-int8 gemm={self.gemm!r}; valid: {sorted(INT8_GEMMS)}")
+        if self.gemm not in self.GEMMS:
+            raise ValueError(f"{self.name} gemm={self.gemm!r}; valid: {sorted(self.GEMMS)}")
 
     def method(self, device: torch.device) -> str:
         if self.gemm != "auto":
@@ -102,7 +106,7 @@ class Int8Scheme(Scheme):
             return lambda rows: nat.linear_s8_dynamic(rows.float(), packed)
         return super().bound(qw, device)
 
-    def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
+    def matmul(self, x: Tensor, qw: QWeight) -> Tensor:
         method = self.method(x.device)
         if method == "native":
             # int8_rows, the exact GEMM and (acc * s_x) * s_w, like the lines below, in one call
@@ -129,7 +133,8 @@ class Int8Scheme(Scheme):
 
 @dataclass(frozen=True)
 class Fp8Scheme(Scheme):
-    """W8A8 FP8 E4M3: per-channel weight scales, dynamic per-token activation scales."""
+    """W8A8 FP8 E4M3: per-channel weight scales, dynamic per-token activation scales.
+    QWeight: codes [N, K] float8_e4m3fn; scales [N] float32 (s = max|w| / 448)."""
 
     name = "w8a8-fp8"
     row_separable = True
@@ -146,7 +151,7 @@ class Fp8Scheme(Scheme):
         xq, xs = nm.fp8_rows(x)
         return xq.float() * xs[:, None]
 
-    def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
+    def matmul(self, x: Tensor, qw: QWeight) -> Tensor:
         xq, xs = nm.fp8_rows(x)  # [M, K] e4m3, [M]
         if K.cuda_fp8_supported(x.device, *qw.shape):
             return K.cuda_scaled_mm(xq, xs, qw.codes, qw.scales).float()
@@ -162,35 +167,38 @@ class Fp8Scheme(Scheme):
 
 @dataclass(frozen=True)
 class Fp8BlockScheme(Scheme):
-    """W8A8 FP8 E4M3, DeepSeek-V3 blocks: 128x128 weight tiles, 1x128 activation groups."""
+    """W8A8 FP8 E4M3, DeepSeek-V3 blocks: 128x128 weight tiles, 1x128 activation groups.
+    QWeight: codes [N, K] float8_e4m3fn; scales [ceil(N/128), ceil(K/128)] float32;
+    group_size 128. Not row-separable: a tile's scale spans 128 rows."""
 
     name = "w8a8-fp8-block"
+    BLOCK = 128  # weight tile edge and activation group size
 
     def quantize(self, w: Tensor) -> QWeight:
         self.check_weight(w)
-        codes, scales = nm.fp8_blocks(w.detach(), FP8_BLOCK, FP8_BLOCK)
-        return QWeight(self.name, tuple(w.shape), codes, scales, group_size=FP8_BLOCK)
+        codes, scales = nm.fp8_blocks(w.detach(), self.BLOCK, self.BLOCK)
+        return QWeight(self.name, tuple(w.shape), codes, scales, group_size=self.BLOCK)
 
     def dequantize(self, qw: QWeight) -> Tensor:
         N, Kdim = qw.shape
-        return qw.codes.float() * nm.expand_blocks(qw.scales, FP8_BLOCK, FP8_BLOCK, N, Kdim)
+        return qw.codes.float() * nm.expand_blocks(qw.scales, self.BLOCK, self.BLOCK, N, Kdim)
 
     def act_qdq(self, x: Tensor) -> Tensor:
-        xq, xs = nm.fp8_blocks(x, 1, FP8_BLOCK)
-        return xq.float() * nm.expand_blocks(xs, 1, FP8_BLOCK, *x.shape)
+        xq, xs = nm.fp8_blocks(x, 1, self.BLOCK)
+        return xq.float() * nm.expand_blocks(xs, 1, self.BLOCK, *x.shape)
 
     def _weight_blocks(self, qw: QWeight) -> tuple[Tensor, Tensor]:
         N, Kdim = qw.shape
-        kb = -(-Kdim // FP8_BLOCK)
-        w = nm.pad_to(qw.codes.double(), N, kb * FP8_BLOCK).view(N, kb, FP8_BLOCK)
+        kb = -(-Kdim // self.BLOCK)
+        w = nm.pad_to(qw.codes.double(), N, kb * self.BLOCK).view(N, kb, self.BLOCK)
         blocks = w.permute(1, 2, 0).contiguous()  # [KB, 128, N]
-        scales = qw.scales.repeat_interleave(FP8_BLOCK, 0)[:N].t().contiguous()  # [KB, N]
+        scales = qw.scales.repeat_interleave(self.BLOCK, 0)[:N].t().contiguous()  # [KB, N]
         return blocks, scales
 
-    def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
-        xq, xs = nm.fp8_blocks(x, 1, FP8_BLOCK)  # [M, K] e4m3, [M, KB]
+    def matmul(self, x: Tensor, qw: QWeight) -> Tensor:
+        xq, xs = nm.fp8_blocks(x, 1, self.BLOCK)  # [M, K] e4m3, [M, KB]
         blocks, scales = self.prepared(qw, x.device, "blocks", lambda: self._weight_blocks(qw))
-        return K.exact_fp8_block_gemm(xq, xs, blocks, scales, FP8_BLOCK)
+        return K.exact_fp8_block_gemm(xq, xs, blocks, scales, self.BLOCK)
 
     def kernel_path(self, device: torch.device, qw: QWeight) -> str:
         return ("exact block-FP8 emulation: fp64 per-128 partial sums, fixed-order fp32 "
@@ -213,6 +221,38 @@ SCHEMES: dict[str, Scheme] = _Registry({
 })
 
 
+_REQUIRED = ("quantize", "dequantize", "act_qdq", "matmul", "kernel_path")
+
+
+def register_scheme(scheme: Scheme) -> Scheme:
+    """Add a format: `SCHEMES[scheme.name] = scheme` (an instance with its default options),
+    after which every verb that takes a scheme name knows it (`quantize_model`, `make_scheme`,
+    `load_state` of its QWeights, the engine, a recipe's `quant.scheme`). Returns `scheme`.
+    Raises if it is not a `Scheme` defining the five required methods, or if its name is taken.
+    """
+    cls = type(scheme)
+    if not isinstance(scheme, Scheme):
+        raise TypeError(f"register_scheme expects a Scheme instance, got {cls.__name__}; "
+                        f"subclass qarl.quant.Scheme (see qarl/quant/README.md)")
+    missing = [m for m in _REQUIRED if getattr(cls, m) is getattr(Scheme, m)]
+    if missing or scheme.name == Scheme.name:
+        raise TypeError(f"{cls.__name__} must set a class attribute `name` (got "
+                        f"{scheme.name!r}) and define {list(_REQUIRED)}; missing {missing}")
+    if scheme.name in SCHEMES:
+        raise ValueError(f"a scheme named {scheme.name!r} is already registered "
+                         f"({type(SCHEMES[scheme.name]).__name__}); choose another name, or "
+                         f"unregister_scheme({scheme.name!r}) first")
+    SCHEMES[scheme.name] = scheme
+    return scheme
+
+
+def unregister_scheme(name: str) -> Scheme:
+    """Remove the format `name` from SCHEMES (the inverse of `register_scheme`); returns it."""
+    scheme = SCHEMES[name]  # unknown names raise with the valid list
+    del SCHEMES[name]
+    return scheme
+
+
 def make_scheme(name: str | Scheme, **options) -> Scheme:
     """SCHEMES[name] with `options` (e.g. group_size=128, symmetric=False) replacing defaults."""
     if isinstance(name, Scheme):
@@ -230,10 +270,3 @@ def scheme_options(name: str) -> dict:
     """{option: default} that make_scheme(name, **options) accepts (for config validation)."""
     return SCHEMES[name].options()
 
-
-def scheme_of(qw: QWeight) -> Scheme:
-    """The scheme that reads `qw` (options taken from its layout)."""
-    base = SCHEMES[qw.scheme]
-    if isinstance(base, Int4Scheme):
-        return make_scheme(qw.scheme, group_size=qw.group_size, symmetric=qw.symmetric)
-    return base

@@ -14,30 +14,30 @@ from qarl.quant import numerics as nm
 from qarl.quant.qweight import QWeight
 from qarl.quant.scheme_base import Scheme
 
-INT4_GROUP_SIZES = (32, 64, 128)
-INT4_GEMMS = ("auto", "int4pack", "native")
-
-
 @dataclass(frozen=True)
 class Int4Scheme(Scheme):
     """W4A16 int4: weights in groups of `group_size` along K, symmetric or with bf16 zeros;
     activations rounded to bf16. gemm: "auto" (CPU: native if it runs here, else int4pack),
     "native" (fp32 output, exactly the fp32 chain on the dequantized weight) or "int4pack"
-    (torch._weight_int4pack_mm_for_cpu, bf16 output)."""
+    (torch._weight_int4pack_mm_for_cpu, bf16 output).
+    QWeight: codes [N, K/2] uint8 (two unsigned nibbles, low first, u = q + 8); scales
+    [N, K/g] bfloat16; zeros [N, K/g] bfloat16 if asymmetric (w = (u - 8) s + z)."""
 
     group_size: int = 64
     symmetric: bool = True
     gemm: str = "auto"
     name = "w4a16-int4"
     row_separable = True
+    GROUP_SIZES = (32, 64, 128)
+    GEMMS = ("auto", "int4pack", "native")
 
     def __post_init__(self):
-        if self.group_size not in INT4_GROUP_SIZES:
+        if self.group_size not in self.GROUP_SIZES:
             raise ValueError(
-                f"{self.name} group_size={self.group_size}; valid: {list(INT4_GROUP_SIZES)}"
+                f"{self.name} group_size={self.group_size}; valid: {list(self.GROUP_SIZES)}"
             )
-        if self.gemm not in INT4_GEMMS:
-            raise ValueError(f"{self.name} gemm={self.gemm!r}; valid: {sorted(INT4_GEMMS)}")
+        if self.gemm not in self.GEMMS:
+            raise ValueError(f"{self.name} gemm={self.gemm!r}; valid: {sorted(self.GEMMS)}")
 
     def matches(self, qw: QWeight) -> bool:
         return (qw.scheme, qw.group_size, qw.symmetric) == (self.name, self.group_size, self.symmetric)
@@ -91,7 +91,7 @@ class Int4Scheme(Scheme):
             return self._native_run(self._native(qw, device))
         return super().bound(qw, device)
 
-    def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
+    def matmul(self, x: Tensor, qw: QWeight) -> Tensor:
         if self.uses_native(x.device):
             return self.bound(qw, x.device)(x)
         if self.uses_kernel(x.device, qw):
@@ -111,7 +111,8 @@ class Int4Scheme(Scheme):
 
 @dataclass(frozen=True)
 class W4A8Scheme(Int4Scheme):
-    """W4A8: the int4 group weights of w4a16-int4, int8 per-token activations."""
+    """W4A8: the int4 group weights of w4a16-int4 (the same QWeight layout), int8 per-token
+    activations."""
 
     name = "w4a8-int"
     native_kind = nat.GemmKind.U4_S8
@@ -127,7 +128,7 @@ class W4A8Scheme(Int4Scheme):
             return nat.linear_u4(xq.float(), packed) * xs[:, None]
         return run
 
-    def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
+    def matmul(self, x: Tensor, qw: QWeight) -> Tensor:
         if self.uses_native(x.device):
             return self.bound(qw, x.device)(x)
         xq, xs = nm.int8_rows(x)  # [M, K] int8, [M]
@@ -152,7 +153,9 @@ class W4A8Scheme(Int4Scheme):
 
 @dataclass(frozen=True)
 class Nvfp4Scheme(Scheme):
-    """W4A16 NVFP4: E2M1 values, E4M3 scale per 16, fp32 global scale; bf16 activations."""
+    """W4A16 NVFP4: E2M1 values, E4M3 scale per 16, fp32 global scale; bf16 activations.
+    QWeight: codes [N, K/2] uint8 (two FP4 E2M1 nibbles, low first); scales [N, K/16]
+    float8_e4m3fn; global_scale [] float32. Not row-separable: one global scale per tensor."""
 
     name = "w4a16-nvfp4"
 
@@ -167,7 +170,7 @@ class Nvfp4Scheme(Scheme):
     def act_qdq(self, x: Tensor) -> Tensor:
         return x.bfloat16().float()
 
-    def _linear(self, x: Tensor, qw: QWeight) -> Tensor:
+    def matmul(self, x: Tensor, qw: QWeight) -> Tensor:
         return self.float_gemm(self.act_qdq(x), qw, lambda: self.dequantize(qw))
 
     def kernel_path(self, device: torch.device, qw: QWeight) -> str:

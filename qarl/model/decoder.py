@@ -11,6 +11,7 @@ quantization package swaps them; this module knows nothing about quantization or
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -142,6 +143,25 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def decoder_forward(
+    embed: Callable, layers: Sequence[Callable], norm: Callable, rope: Callable,
+    input_ids: Tensor,  # [B, T] int64
+    positions: Tensor,  # [B, T] int64 RoPE positions
+    cache: KVCache | None, cache_start: int, key_mask: Tensor | None,
+) -> Tensor:  # [B, T, hidden]
+    """Embed, run each layer (`layer(x, cos, sin, mask, cache, i, cache_start)`) in order, then
+    the final norm. `CausalLM.forward` passes its own modules; the rollout engine passes its
+    decode plan's per-layer steps (`qarl.rollout.plan`), which compute each Block's math on
+    packed weights."""
+    B, T = input_ids.shape
+    x = embed(input_ids)
+    cos, sin = rope(positions, x.dtype)
+    mask = attention_mask(key_mask, cache_start, T, cache_start + T, input_ids.device)
+    for i, layer in enumerate(layers):
+        x = layer(x, cos, sin, mask, cache, i, cache_start)
+    return norm(x)
+
+
 class DecoderBody(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -183,13 +203,9 @@ class CausalLM(nn.Module):
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(cache_start, cache_start + T, device=input_ids.device).expand(B, T)
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rope(positions, x.dtype)
-        num_keys = cache_start + T
-        mask = attention_mask(key_mask, cache_start, T, num_keys, input_ids.device)
-        for i, block in enumerate(self.model.layers):
-            x = block(x, cos, sin, mask, cache, i, cache_start)
-        return self.model.norm(x)
+        body = self.model
+        return decoder_forward(body.embed_tokens, body.layers, body.norm, self.rope, input_ids,
+                               positions, cache, cache_start, key_mask)
 
     def logits(self, input_ids: Tensor, **kwargs) -> Tensor:  # [B, T, vocab]
         return self.lm_head(self(input_ids, **kwargs))

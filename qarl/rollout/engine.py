@@ -13,19 +13,23 @@ slot P-1 and decode step t writes slot P+t for all rows at once. RoPE positions 
 half of the rows still decoding have finished, the batch is compacted (`KVCache.reorder`), so
 finished rows stop costing compute; their remaining response slots are padding, masked out,
 with logprob 0.
+
+The engine runs its own decode plan (`qarl.rollout.plan`), built from the model and cached
+with its packed weights: fused blocks on packed weights (qarl.native's panels and kernels
+where they run, oneDNN's blocked layout otherwise; stacked QWeights for quantized blocks),
+or each layer's own forward. The model object itself is never modified.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
 
 import torch
 from torch import Tensor
 
 from qarl.model.cache import KVCache
 from qarl.model.decoder import CausalLM
-from qarl.rollout.prepack import LinearPrepacker
+from qarl.rollout.plan import DecodePlan, DecodePlanner
 from qarl.rollout.sampling import sample, sampler_logprobs
 from qarl.types import FINISH_LENGTH, FINISH_STOP, RolloutBatch, SamplingParams
 
@@ -34,35 +38,34 @@ _COMPACT_BELOW = 0.5
 
 
 def prefill(
-    model: CausalLM, ids: Tensor, positions: Tensor, cache: KVCache, key_mask: Tensor
+    plan: DecodePlan, ids: Tensor, positions: Tensor, cache: KVCache, key_mask: Tensor
 ) -> Tensor:
     """ids, positions: [B, P] int64; key_mask: [B, S] bool -> logits [B, V] at the last column."""
-    hidden = model(ids, positions=positions, cache=cache, cache_start=0, key_mask=key_mask)
-    return model.lm_head(hidden[:, -1])  # lm_head on one position per row only
+    hidden = plan.hidden(ids, positions, cache, 0, key_mask)
+    return plan.lm_head(hidden[:, -1])  # lm_head on one position per row only
 
 
 def decode_one_token(
-    model: CausalLM, tokens: Tensor, positions: Tensor, cache: KVCache, slot: int, key_mask: Tensor
+    plan: DecodePlan, tokens: Tensor, positions: Tensor, cache: KVCache, slot: int,
+    key_mask: Tensor,
 ) -> Tensor:
     """tokens, positions: [B] int64 written at cache `slot`; key_mask: [B, S] bool -> [B, V]."""
-    hidden = model(
-        tokens[:, None], positions=positions[:, None], cache=cache, cache_start=slot,
-        key_mask=key_mask,
-    )
-    return model.lm_head(hidden[:, 0])
+    hidden = plan.hidden(tokens[:, None], positions[:, None], cache, slot, key_mask)
+    return plan.lm_head(hidden[:, 0])
 
 
 class LocalEngine:
-    """Generates rollouts with a `CausalLM` (quantized or not) in this process.
+    """Generates rollouts with a `CausalLM` (quantized or not) in this process; implements
+    `qarl.rollout.Engine`.
 
     eos_token_ids: ids that end a response (kept in it); None = `model.config.eos_token_ids`,
     () = none. pad_token_id fills prompt and response padding. max_context bounds prompt +
     response length (default `model.config.max_position_embeddings`): generation stops there
-    with finish reason "length" even before `max_new_tokens`. prepack_weights: on CPU, run
-    plain fp32 linears on oneDNN-prepacked weights while generating, and decoder blocks made
-    only of such linears as fused blocks (faster; rounding differs from `F.linear` by ~1e-6
-    relative, see `qarl.rollout.prepack`); False uses the model's own forward. fuse_blocks:
-    False packs each linear on its own instead of fusing blocks (for comparison).
+    with finish reason "length" even before `max_new_tokens`. prepack_weights: on CPU, decode
+    plain fp32 linears on packed weights (qarl.native's panels, or oneDNN's blocked layout
+    without it) and decoder blocks as fused blocks (faster; rounding differs from `F.linear`
+    by ~1e-6 relative, see `qarl.rollout.prepack`); False runs each module's own forward.
+    fuse_blocks: False packs each linear on its own instead of fusing blocks (for comparison).
     """
 
     def __init__(
@@ -80,7 +83,7 @@ class LocalEngine:
             model.config.eos_token_ids if eos_token_ids is None else eos_token_ids
         )
         self.pad_token_id = pad_token_id
-        self._prepacker = LinearPrepacker(fuse_blocks) if prepack_weights else None
+        self._planner = DecodePlanner(prepack_weights, fuse_blocks)
         self.max_context = (
             model.config.max_position_embeddings if max_context is None else max_context
         )
@@ -105,11 +108,19 @@ class LocalEngine:
 
     def load_weights(self, state: dict) -> None:
         """Install new weights in place (QWeights as-is, plain tensors copied) via
-        `qarl.quant.load_state`; the engine keeps using the same module objects."""
+        `qarl.quant.load_state`; the engine keeps using the same module objects, and the next
+        call repacks whatever changed."""
         from qarl.quant import load_state  # quant imports model only; imported on use
 
         with torch.no_grad():
             load_state(self.model, state)
+
+    def describe(self) -> dict[str, str]:
+        """What the next generate / score runs, per module name (every decoder layer, the
+        linears of layers that run their own forward, the lm_head). Builds a plan for the
+        current weights without keeping it, so describing never changes later outputs."""
+        with torch.inference_mode():
+            return self._planner.plan(self.model, batch_hint=1, keep=False).paths
 
     def generate(
         self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int
@@ -124,12 +135,10 @@ class LocalEngine:
         ids, prompt_mask = self._left_pad(prompt_ids, device)  # [N, P] each
         budget = self._response_budget(ids.shape[1], sampling.max_new_tokens)
         generator = torch.Generator(device=device).manual_seed(seed)
-        packing = nullcontext()
-        if self._prepacker is not None:
-            packing = self._prepacker.applied(self.model, batch_hint=len(prompt_ids))
-        with torch.inference_mode(), packing:
+        with torch.inference_mode():
+            plan = self._planner.plan(self.model, batch_hint=len(prompt_ids))
             response, logp, mask, stopped = self._decode(
-                ids, prompt_mask, budget, sampling, generator
+                plan, ids, prompt_mask, budget, sampling, generator
             )
         length = int(mask.sum(dim=1).max())  # the longest response sets L
         return RolloutBatch(
@@ -151,12 +160,11 @@ class LocalEngine:
         (a full-sequence forward differs from the decode path in the last bits).
         """
         L = batch.response_ids.shape[1]
-        packing = nullcontext()
-        if self._prepacker is not None:
-            packing = self._prepacker.applied(self.model, batch_hint=batch.num_sequences)
-        with torch.inference_mode(), packing:
+        with torch.inference_mode():
+            plan = self._planner.plan(self.model, batch_hint=batch.num_sequences)
             _, logp, mask, _ = self._decode(
-                batch.prompt_ids, batch.prompt_mask, L, sampling, None, forced=batch.response_ids
+                plan, batch.prompt_ids, batch.prompt_mask, L, sampling, None,
+                forced=batch.response_ids,
             )
         if not torch.equal(mask, batch.response_mask):
             raise ValueError(
@@ -166,8 +174,8 @@ class LocalEngine:
             )
         return logp
 
-    def _decode(self, ids, prompt_mask, budget, sampling, generator, forced=None):
-        """The generation loop. ids, prompt_mask: [N, P]; forced: [N, budget] int64 tokens to
+    def _decode(self, plan, ids, prompt_mask, budget, sampling, generator, forced=None):
+        """The generation loop on `plan`. ids, prompt_mask: [N, P]; forced: [N, budget] int64 tokens to
         feed instead of sampling (scoring), or None. Returns response [N, budget] int64,
         logp [N, budget] float32, mask [N, budget] bool, stopped [N] bool."""
         N, P = ids.shape
@@ -189,7 +197,7 @@ class LocalEngine:
         rows = torch.arange(N, device=device)  # [B] original row of each cache row
         live = torch.ones(N, dtype=torch.bool, device=device)  # [B] cache row still decoding
 
-        logits = prefill(self.model, ids, positions, cache, key_mask)  # [N, V]
+        logits = prefill(plan, ids, positions, cache, key_mask)  # [N, V]
         for t in range(budget):
             if forced is None:
                 tokens, token_logp = sample(logits, sampling, generator)  # [B] each
@@ -213,7 +221,7 @@ class LocalEngine:
                 cache.reorder(keep)
                 rows, tokens, next_position = rows[keep], tokens[keep], next_position[keep]
                 key_mask, live = key_mask[keep], live[keep]
-            logits = decode_one_token(self.model, tokens, next_position, cache, P + t, key_mask)
+            logits = decode_one_token(plan, tokens, next_position, cache, P + t, key_mask)
             next_position += 1
         return response, logp, mask, stopped
 

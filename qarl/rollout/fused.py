@@ -1,5 +1,6 @@
 """The forward of a fused decoder block on packed weights (`fused_block_forward`), and the
-packs it runs on (`BlockPacks`); `qarl.rollout.prepack` builds, caches and installs them.
+packs it runs on (`BlockPacks`); `qarl.rollout.prepack` builds them and `qarl.rollout.plan`
+caches them and makes this forward the layer's step in the engine's decode plan.
 
 At each decode step (one fp32 token per sequence into a KV cache) a block whose packs carry a
 `qarl.native.DecodeBlock` runs as that one native call; otherwise the steps below run, with
@@ -60,7 +61,8 @@ class BlockPacks:
     down: object  # [d, ffn]
     # the whole block in one native call for one token per sequence, or None where a
     # projection (or a norm) is not one qarl.native runs
-    native: native.DecodeBlock | None = None
+    native: native.DecodeBlock | None
+    gemm_path: str  # what runs the GEMMs (a pack_path, or the scheme's kernel_path)
 
 
 def _rms_norm(norm: nn.Module, x: Tensor) -> Tensor:

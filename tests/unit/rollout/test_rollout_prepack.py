@@ -1,4 +1,4 @@
-"""oneDNN-prepacked, fused decoding: same products up to rounding, restored modules, never
+"""Packed, fused decoding (the engine's decode plan): same products up to rounding, never
 stale, and `score` on a second model with the same weights bit-identical to `generate`."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from qarl.model.decoder import Block
 from qarl.rollout import LocalEngine
-from qarl.rollout.prepack import LinearPrepacker, prepack_available
+from qarl.rollout.plan import DecodePlanner
+from qarl.rollout.prepack import prepack_available
 from qarl.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(
@@ -23,8 +23,19 @@ SHORT = SamplingParams(max_new_tokens=4, greedy=True)  # enough to see a changed
 FAMILIES = ["llama", "qwen2", "qwen3"]  # qwen2: q/k/v biases; qwen3: per-head q/k RMSNorm
 
 
-def patched(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if "forward" in m.__dict__]
+def plan_forward(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states [B, T, d] and logits [B, T, V] of a cache-free forward through the
+    engine's decode plan."""
+    with torch.inference_mode():
+        plan = DecodePlanner().plan(model, batch_hint=ids.shape[0])
+        positions = torch.arange(ids.shape[1]).expand_as(ids)
+        hidden = plan.hidden(ids, positions, None, 0, None)
+        return hidden.clone(), plan.lm_head(hidden).clone()
+
+
+def paths_of(engine: LocalEngine, start: str) -> set[str]:
+    """Module names whose described path starts with `start`."""
+    return {name for name, path in engine.describe().items() if path.startswith(start)}
 
 
 def fresh_logp(model: nn.Module) -> torch.Tensor:
@@ -34,19 +45,18 @@ def fresh_logp(model: nn.Module) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_fused_blocks_match_plain_forward_and_forwards_are_restored(make_model, family):
-    """Inside the block every decoder block runs fused and lm_head packed, and the logits of a
-    ragged, cached-free forward equal the plain forward to fp32 rounding (1e-5 on logits of
-    size ~10); outside it every class forward is back."""
+def test_fused_blocks_match_plain_forward(make_model, family):
+    """The plan runs every decoder block fused and lm_head packed, and the logits of a ragged,
+    cache-free forward equal the model's own forward to fp32 rounding (1e-5 on logits of
+    size ~10)."""
     model = make_model(family=family)
     ids = torch.tensor([PROMPTS[0], [7, 8, 1, 2, 3]])
     with torch.no_grad():
         plain = model.logits(ids)
-        with LinearPrepacker().applied(model, batch_hint=2):
-            assert set(patched(model)) == {*model.model.layers, model.lm_head}
-            fused = model.logits(ids)
-    assert patched(model) == []
-    torch.testing.assert_close(fused, plain, atol=1e-5, rtol=0)
+    engine = LocalEngine(model)
+    assert paths_of(engine, "fused block") == {"model.layers.0", "model.layers.1"}
+    assert paths_of(engine, "packed linear") == {"lm_head"}
+    torch.testing.assert_close(plan_forward(model, ids)[1], plain, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -57,9 +67,10 @@ def test_fused_per_linear_and_unpacked_engines_agree(make_model, family):
     fused = LocalEngine(model, eos_token_ids=()).generate(PROMPTS, GREEDY, seed=0)
     per_linear = LocalEngine(model, eos_token_ids=(), fuse_blocks=False)
     linear = per_linear.generate(PROMPTS, GREEDY, seed=0)
-    with LinearPrepacker(fuse_blocks=False).applied(model, batch_hint=1):
-        assert set(patched(model)) == {m for m in model.modules() if type(m) is nn.Linear}
+    linears = {name for name, m in model.named_modules() if type(m) is nn.Linear}
+    assert paths_of(per_linear, "packed linear") == linears
     unpacked = LocalEngine(model, eos_token_ids=(), prepack_weights=False)
+    assert paths_of(unpacked, "own forward") == {*linears, "model.layers.0", "model.layers.1"}
     plain = unpacked.generate(PROMPTS, GREEDY, seed=0)
     for other in (linear, plain):
         assert torch.equal(fused.response_ids, other.response_ids)
@@ -123,9 +134,9 @@ def test_optimizer_step_and_replaced_parameters_are_never_served_stale(make_mode
 
 
 def test_only_plain_fp32_linears_are_packed_and_partly_custom_blocks_are_not_fused(make_model):
-    """A block with a non-plain linear (e.g. a quantized layer) or a forward hook keeps its own
+    """A block with a non-plain linear (e.g. a quantized layer) or a forward hook runs its own
     forward; its plain linears are packed one by one, the custom one is left alone; bf16
-    models are not touched."""
+    models are not packed."""
 
     class Custom(nn.Linear):
         pass
@@ -133,20 +144,17 @@ def test_only_plain_fp32_linears_are_packed_and_partly_custom_blocks_are_not_fus
     model = make_model()
     model.model.layers[0].mlp.up_proj.__class__ = Custom
     model.model.layers[1].self_attn.register_forward_hook(lambda *args: None)
-    with LinearPrepacker().applied(model, batch_hint=1):
-        first, second = model.model.layers
-        assert "forward" not in first.__dict__ and "forward" not in second.__dict__
-        assert "forward" not in first.mlp.up_proj.__dict__
-        assert "forward" in first.mlp.gate_proj.__dict__
-        assert "forward" in second.self_attn.q_proj.__dict__
+    engine = LocalEngine(model)
+    assert paths_of(engine, "own forward (Block") == {"model.layers.0", "model.layers.1"}
+    assert paths_of(engine, "own forward (Custom") == {"model.layers.0.mlp.up_proj"}
+    packed = paths_of(engine, "packed linear")
+    assert "model.layers.0.mlp.gate_proj" in packed and "model.layers.1.self_attn.q_proj" in packed
+    assert len(packed) == 7 + 7 - 1 + 1  # both blocks' projections but the custom one, lm_head
     model = make_model()
     model.lm_head.__class__ = Custom
-    with LinearPrepacker().applied(model, batch_hint=1):
-        assert set(patched(model)) == set(model.model.layers)
-        assert all(type(m) is Block for m in patched(model))
-    bf16 = make_model(dtype=torch.bfloat16)
-    with LinearPrepacker().applied(bf16, batch_hint=1):
-        assert patched(bf16) == []
+    assert LocalEngine(model).describe()["lm_head"] == "own forward (Custom.forward)"
+    bf16 = LocalEngine(make_model(dtype=torch.bfloat16))
+    assert paths_of(bf16, "packed") == set() and paths_of(bf16, "fused") == set()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -158,20 +166,20 @@ def test_quantized_blocks_fuse_exactly_and_score_exactly(make_model, family, sch
     exactly."""
     from qarl.quant import quantize_model
 
-    model = quantize_model(make_model(family=family), scheme, mode="kernel", group_size=32,
-                           exclude=["lm_head"]) if scheme != "w8a8-int8" else quantize_model(
-        make_model(family=family), scheme, mode="kernel", exclude=["lm_head"])
+    options = {"group_size": 32} if scheme == "w4a16-int4" else {}
+    model = quantize_model(make_model(family=family), scheme, mode="kernel", exclude=["lm_head"],
+                           **options)
     ids = torch.tensor([PROMPTS[0], [7, 8, 1, 2, 3]])
     with torch.no_grad():
         plain = model(ids)  # hidden states [B, T, d]
-        with LinearPrepacker().applied(model, batch_hint=2):
-            assert set(patched(model)) == {*model.model.layers, model.lm_head}
-            fused = model(ids)
+    engine = LocalEngine(model, eos_token_ids=())
+    assert paths_of(engine, "fused block") == {"model.layers.0", "model.layers.1"}
+    assert paths_of(engine, "packed linear") == {"lm_head"}
     # the quantized GEMMs are row-exact (test_kernels.py); what differs is the summation order
     # of the native RMSNorm and silu (a few ulp); a flipped activation code would cost ~1e-2
-    torch.testing.assert_close(fused, plain, atol=1e-5, rtol=0)
+    torch.testing.assert_close(plan_forward(model, ids)[0], plain, atol=1e-5, rtol=0)
     sampling = SamplingParams(max_new_tokens=8)
-    batch = LocalEngine(model, eos_token_ids=()).generate(PROMPTS, sampling, seed=1)
+    batch = engine.generate(PROMPTS, sampling, seed=1)
     scored = LocalEngine(model, eos_token_ids=()).score(batch, sampling)
     assert torch.equal(scored, batch.rollout_logp)
 

@@ -1,0 +1,68 @@
+"""`Engine`: what the trainer needs from a rollout engine, whatever runs the model.
+
+`qarl.rollout.LocalEngine` implements it in this process; another engine (e.g. one serving
+the policy from vLLM) implements the same four methods with the same promises, so the
+trainer, the evaluator and `qarl parity` work with either.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor
+
+from qarl.types import RolloutBatch, SamplingParams
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A rollout engine: samples responses with sampler logprobs, scores given responses on
+    the same path, and takes new weights from the learner."""
+
+    def generate(
+        self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int
+    ) -> RolloutBatch:
+        """One response per prompt (token ids, no tokenization), as a `RolloutBatch`: prompts
+        left-padded, responses right-padded, `finish_reasons` "stop" (an EOS or stop id, kept
+        as the response's last token) or "length" (max_new_tokens or the context limit).
+
+        Determinism: the same weights, prompts, sampling and seed give the same batch, bit
+        for bit; the seed is the only source of randomness (no global RNG is read or moved).
+
+        `rollout_logp` [N, L] float32 is, for each response token, the log-probability of that
+        token under exactly the distribution it was drawn from: softmax(logits / temperature)
+        truncated to top_k, then to the top_p nucleus, renormalized; for greedy decoding the
+        log-softmax of the raw logits. 0 on padding. Invalid prompts (empty list, empty prompt,
+        ids outside the vocabulary, no room in the context) raise ValueError."""
+        ...
+
+    def score(self, batch: RolloutBatch, sampling: SamplingParams) -> Tensor:
+        """Forced-token scoring: [N, L] float32, the logprob `generate` would report for each
+        token of `batch.response_ids` (0 on padding), computed by replaying generation with
+        each drawn token replaced by the batch's token (same prefill, same decode steps, same
+        batch rows in the same order, same kernels, same sampler logprob function).
+
+        Replay is exact: with the weights that generated `batch` (the same engine, or another
+        engine of the same kind around a model with identical weights) and the same sampling,
+        the result equals `batch.rollout_logp` bit for bit. A batch whose response_mask does
+        not follow from its tokens and the engine's stop ids raises ValueError."""
+        ...
+
+    def load_weights(self, state: dict) -> None:
+        """Install the learner's weights, in place, before the next generate / score.
+
+        `state` maps parameter names of the model (`model.layers.0.self_attn.q_proj.weight`)
+        to a `qarl.quant.QWeight` (codes and scales of a quantized layer, used as-is, never
+        re-quantized) or a Tensor (copied into the parameter or buffer): what
+        `qarl.quant.export_state(learner)` returns. Every name of the model's state dict must
+        be present and no other (else KeyError); a QWeight for a layer that is not quantized
+        with the same scheme and options raises. After it returns, no output is computed from
+        the previous weights."""
+        ...
+
+    def describe(self) -> dict[str, str]:
+        """What runs, per part of the model: module name (`model.layers.3`, `lm_head`, ...) ->
+        a sentence naming the path (e.g. a fused native block, a fused PyTorch block, a
+        packed linear, the module's own forward) and the kernel behind its GEMMs. For logs
+        and reports; the wording is not a stable interface."""
+        ...

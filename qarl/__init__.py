@@ -25,6 +25,8 @@ _EXPORTS = {
     "load_model": "qarl.model",
     "load_tokenizer": "qarl.model",
     "LocalEngine": "qarl.rollout",
+    "Engine": "qarl.rollout",
+    "register_scheme": "qarl.quant",
     "quantize_model": "qarl.quant",
     "SCHEMES": "qarl.quant",
     "LOSSES": "qarl.algo",

@@ -27,7 +27,7 @@ from qarl.algo import (
     validate_loss_params,
 )
 from qarl.config.errors import Problem, short, suggest, unknown_key
-from qarl.config.schema import flatten_overrides
+from qarl.config.compare_schema import flatten_overrides
 from qarl.model import ZOO
 from qarl.quant import SCHEMES, scheme_options
 from qarl.tasks import REWARDS, TASKS, task_options

@@ -11,10 +11,11 @@ Conventions: every optional field defaults to None, and None means "derived" or 
 
 from __future__ import annotations
 
-import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from qarl.config.compare_schema import CompareSection
 
 # Strict: a recipe is typed TOML, so "32" is not an int and true is not a number. Ints are
 # still accepted where a float is expected (lr = 1 is fine).
@@ -359,70 +360,6 @@ class LogSection(BaseModel):
     jsonl: bool = Field(True, description="Write metrics.jsonl in the run folder.")
 
 
-class CompareSection(BaseModel):
-    """Arms of `qarl compare`: named override sets run side by side on this recipe, each seed
-    of each arm an ordinary run folder `run.output_dir/run.name/ARM/seedK`. `qarl train`
-    ignores this section."""
-
-    model_config = _SECTION
-
-    arms: dict[str, dict[str, Any]] = Field(
-        ...,
-        min_length=1,
-        description="Arm name -> its overrides, dotted recipe keys as on the command line, "
-        "e.g. `qarl-tbpo = {quant.align = \"kernel\", algo.loss = \"tbpo\"}`; a table value "
-        "below a section key (e.g. `task.options`) replaces the recipe's, like "
-        "--task.options={...} does. The run.* keys are set by compare and cannot be "
-        "overridden. Command-line overrides of `qarl compare` apply after an arm's. Arms run "
-        "and are reported in this order.",
-    )
-    seeds: list[int] = Field(
-        default_factory=lambda: [0],
-        min_length=1,
-        description="run.seed of each run of every arm (same seeds, so same prompts and data "
-        "order, for every arm); `qarl compare --seeds` overrides it.",
-    )
-    optional: list[str] = Field(
-        default_factory=list,
-        description="Arms run only when named with `qarl compare --arms`.",
-    )
-    overrides: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Overrides every arm shares, applied to the recipe before the arm's own, "
-        "e.g. `{train.steps = 8}` for a quick comparison of a longer recipe. Same form as "
-        "an arm's.",
-    )
-    reference: str | None = Field(
-        None,
-        description="The full-precision arm: the 100% of gap closed and the 1x of relative "
-        "step speed in the report. Default: none (those columns are n/a).",
-    )
-    baseline: str | None = Field(
-        None,
-        description="The arm whose gap to the reference is to be closed (the 0% of gap closed: "
-        "(arm - baseline) / (reference - baseline) of held-out accuracy). Default: none.",
-    )
-
-    def overrides_of(self, arm: str) -> dict[str, Any]:
-        """What the arm changes in the recipe, shared overrides first, as {dotted key: value}
-        like parsed command-line overrides."""
-        return {**flatten_overrides(self.overrides), **flatten_overrides(self.arms[arm])}
-
-
-def flatten_overrides(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{quant: {scheme: "none"}} -> {"quant.scheme": "none"}. TOML reads the dotted keys of
-    `{quant.scheme = "none"}` as nested tables; they are flattened down to section.key only,
-    so a table value of a key (task.options) replaces the recipe's, as on the command line."""
-    flat: dict[str, Any] = {}
-    for key, value in table.items():
-        path = f"{prefix}.{key}" if prefix else key
-        if isinstance(value, dict) and "." not in path:
-            flat.update(flatten_overrides(value, path))
-        else:
-            flat[path] = value
-    return flat
-
-
 class RunConfig(BaseModel):
     """A whole recipe. Sections may be omitted from a TOML file; their defaults apply."""
 
@@ -438,23 +375,14 @@ class RunConfig(BaseModel):
     eval: EvalSection = Field(default_factory=EvalSection)
     sft: SftSection = Field(default_factory=SftSection)
     log: LogSection = Field(default_factory=LogSection)
-    compare: CompareSection | None = None
-
-
-
-def _section_model(annotation: Any) -> type[BaseModel]:
-    """The model of a section field, looking through `X | None`."""
-    if isinstance(annotation, type):
-        return annotation
-    return next(arg for arg in typing.get_args(annotation) if arg is not type(None))
+    compare: CompareSection | None = None  # optional: None when the recipe has no [compare]
 
 
 # section name -> model, in recipe order; the loader validates each on its own so that
 # problems in one section do not hide problems in another.
 SECTIONS: dict[str, type[BaseModel]] = {
-    name: _section_model(field.annotation) for name, field in RunConfig.model_fields.items()
+    **{name: field.annotation for name, field in RunConfig.model_fields.items()},
+    "compare": CompareSection,
 }
 # Sections that stay None when the recipe leaves them out (no defaults filled in).
-OPTIONAL_SECTIONS = frozenset(
-    name for name, field in RunConfig.model_fields.items() if field.default is None
-)
+OPTIONAL_SECTIONS = frozenset({"compare"})

@@ -1,7 +1,7 @@
 """The comparison's figures, drawn from the numbers of `qarl.report.compare` (no file reading).
 
-accuracy.png: held-out accuracy (deployed policy, solid; full-precision master, dashed) and training
-reward per step, one colour per arm, the band spanning min to max over seeds.
+accuracy.png: held-out accuracy (deployed policy, solid; full-precision master, dashed) and
+training reward per step, one colour per arm, the band spanning min to max over seeds.
 mismatch.png: mean / max |Δlogp| and k3-KL per step. errors.png: error-token rates per step.
 time.png: mean seconds per training step, stacked by phase, one bar per arm.
 """

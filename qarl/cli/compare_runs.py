@@ -83,11 +83,12 @@ def _last_line(path: Path) -> str:
     return lines[-1].strip() if lines else "(empty log)"
 
 
-def run_all(plan: ArmPlan, runs: list[ArmRun], jobs: int, out: IO = sys.stderr) -> list[ArmRun]:
-    """Run every unfinished run, `jobs` at a time, with one progress bar over all their
-    training steps and a line per finished or failed run. Returns the failed runs."""
+def run_all(plan: ArmPlan, runs: list[ArmRun], jobs: int) -> list[ArmRun]:
+    """Run every unfinished run, `jobs` at a time, with one progress bar (on stderr) over all
+    their training steps and a line per finished or failed run. Returns the failed runs."""
     from tqdm import tqdm
 
+    out = sys.stderr
     pending = [run for run in runs if not run.finished()]
     for run in runs:
         if run not in pending:
@@ -112,11 +113,12 @@ def run_all(plan: ArmPlan, runs: list[ArmRun], jobs: int, out: IO = sys.stderr) 
                 log.close()
                 seconds = time.monotonic() - started
                 if process.returncode == 0:
-                    bar.write(f"{run.name}: done in {seconds:.0f} s ({run.folder})")
+                    bar.write(f"{run.name}: done in {seconds:.0f} s ({run.folder})", file=out)
                 else:
                     failed.append(run)
                     bar.write(f"{run.name}: FAILED (exit status {process.returncode}) after "
-                              f"{seconds:.0f} s: {_last_line(run.log)}; log: {run.log}")
+                              f"{seconds:.0f} s: {_last_line(run.log)}; log: {run.log}",
+                              file=out)
             bar.n = sum(run.steps if run.finished() else run.steps_done() for run in runs)
             bar.refresh()
     finally:

@@ -69,7 +69,8 @@ def test_second_compare_keeps_resumes_and_reports_failures(compared, capsys):
     err = capsys.readouterr().err
     assert code == 1
     assert "naive/seed0: finished before, not run again" in err
-    assert "qarl/seed0: done in" in err and "fp/seed0: FAILED (exit status 1)" in err and "another qarl process" in err
+    assert "qarl/seed0: done in" in err
+    assert "fp/seed0: FAILED (exit status 1)" in err and "another qarl process" in err
     assert f"log: {folder / 'fp' / 'seed0.log'}" in err
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in kept} == kept
     assert (folder / "qarl" / "seed0" / "summary.json").exists()

@@ -75,8 +75,9 @@ def test_train_ignores_compare_and_keeps_it_in_config_toml(tmp_path):
 def test_arm_order_optional_and_command_line(tmp_path):
     """Arms run in recipe order without the optional ones; --arms picks and orders them;
     shared overrides go first, the arm's next, the command line's last."""
-    data = tiny_with(tmp_path, {"arms": {**ARMS, "c": {"algo": {"loss": "grpo"}}}, "optional": ["c"],
-                      "overrides": {"train": {"steps": 3}, "quant": {"align": "fake"}}})
+    data = tiny_with(tmp_path, {"arms": {**ARMS, "c": {"algo": {"loss": "grpo"}}},
+                                "optional": ["c"],
+                                "overrides": {"train": {"steps": 3}, "quant": {"align": "fake"}}})
     plan = load_arms(data)
     assert list(plan.configs) == ["a", "b"]
     assert [c.quant.align for c in plan.configs.values()] == ["naive", "kernel"]
@@ -92,8 +93,9 @@ def test_arm_order_optional_and_command_line(tmp_path):
 def test_every_bad_arm_is_reported_at_once_with_its_name(tmp_path):
     """Each arm is checked as the recipe it gives; every problem of every arm (chosen or not)
     comes in one error that names the arm and the offending key."""
-    data = tiny_with(tmp_path, {"arms": {"ok": {}, "bad": {"quant": {"scheme": "w9"}, "algo": {"los": 1}},
-                               "worse": {"rollout": {"batch_size": 30}}}, "optional": ["worse"]})
+    arms = {"ok": {}, "bad": {"quant": {"scheme": "w9"}, "algo": {"los": 1}},
+            "worse": {"rollout": {"batch_size": 30}}}
+    data = tiny_with(tmp_path, {"arms": arms, "optional": ["worse"]})
     problems = problems_of(data, arms=["ok", "worst"])
     assert problems[0] == "--arms: 'worst' is not an arm of the recipe; did you mean 'worse'?"
     assert any(p.startswith("compare.arms.bad: gives algo.los: unknown key 'los'")

@@ -66,7 +66,7 @@ def train_command(plan: ArmPlan, run: ArmRun) -> list[str]:
     then the run's seed and folder."""
     overrides = {**plan.arm_overrides[run.arm], **plan.overrides,
                  "run.seed": run.seed, "run.output_dir": str(run.folder.parent),
-                 "run.name": run.folder.name, "log.progress": False}
+                 "run.name": run.folder.name}
     return [sys.executable, "-m", "qarl.cli", "train", str(plan.recipe),
             *(f"--{key}={toml_value(value)}" for key, value in overrides.items())]
 
@@ -119,8 +119,9 @@ def run_all(plan: ArmPlan, runs: list[ArmRun], jobs: int) -> list[ArmRun]:
                     bar.write(f"{run.name}: FAILED (exit status {process.returncode}) after "
                               f"{seconds:.0f} s: {_last_line(run.log)}; log: {run.log}",
                               file=out)
-            bar.n = sum(run.steps if run.finished() else run.steps_done() for run in runs)
-            bar.refresh()
+            done = sum(run.steps if run.finished() else run.steps_done() for run in runs)
+            if done != bar.n:
+                bar.update(done - bar.n)
     finally:
         for process, (run, _, log) in running.items():  # interrupted: stop our own children
             process.terminate()

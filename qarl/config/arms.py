@@ -56,6 +56,8 @@ def load_arms(recipe: str | Path | None, overrides: Sequence[str] | Mapping[str,
     problems = [Problem("--arms", f"{arm!r} is not an arm of the recipe; "
                                   f"{suggest(arm, compare.arms)}")
                 for arm in arms or () if arm not in compare.arms]
+    if arms and len(set(arms)) < len(arms):
+        problems.append(Problem("--arms", f"{','.join(arms)} names an arm twice; name each once"))
     if "run.seed" in overrides:
         problems.append(Problem("run.seed", "is set by compare for each run from "
                                             "compare.seeds; give the seeds with --seeds"))

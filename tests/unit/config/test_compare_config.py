@@ -126,12 +126,14 @@ def test_bad_compare_sections(compare, expected, tmp_path):
     assert any(p.startswith(expected) for p in problems), problems
 
 
-def test_recipe_without_compare_and_seed_override():
-    """compare needs a [compare] section, and takes its seeds from it (or --seeds), never from
-    --run.seed."""
+def test_recipe_without_compare_seed_override_and_repeated_arm():
+    """compare needs a [compare] section, takes its seeds from it (or --seeds), never from
+    --run.seed, and runs each arm once."""
     assert problems_of("default")[0].startswith("compare: the recipe has no [compare] section")
     assert problems_of("tiny", ["--run.seed=3"]) == [
         "run.seed: is set by compare for each run from compare.seeds; give the seeds with --seeds"]
+    assert problems_of("tiny", arms=["fp", "qarl", "fp"]) == [
+        "--arms: fp,qarl,fp names an arm twice; name each once"]
 
 
 @pytest.mark.parametrize("recipe", ["compare", "tiny"])

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from qarl.report.compare import DEPLOYED, PHASES, Stat, summarize
+from qarl.report.compare import DEPLOYED, FIGURES, PHASES, Stat, summarize
 from qarl.report.compare_plots import plot_comparison
 from qarl.report.metrics_file import read_metrics
 
@@ -53,13 +53,14 @@ def compare_section(runs: dict[str, dict[int, Path]]) -> dict[str, Any]:
     return {}
 
 
-def _cell(value: Stat | float | None, digits: int = 3, suffix: str = "") -> str:
+def _cell(value: Stat | float | None, spec: str = ".3f", suffix: str = "") -> str:
+    """'mean ± std' (or the mean alone for one seed), 'n/a' for no value."""
     if isinstance(value, Stat):
         if value.mean is None:
             return "n/a"
-        text = f"{value.mean:.{digits}f}{suffix}"
-        return text if value.std is None else f"{text} ± {value.std:.{digits}f}{suffix}"
-    return "n/a" if value is None else f"{value:.{digits}f}{suffix}"
+        text = f"{value.mean:{spec}}{suffix}"
+        return text if value.std is None else f"{text} ± {value.std:{spec}}{suffix}"
+    return "n/a" if value is None else f"{value:{spec}}{suffix}"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -67,43 +68,59 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
             *("| " + " | ".join(row) + " |" for row in rows), ""]
 
 
+# The report's tables: (title, columns); a column is (header, figure name or summary key,
+# format spec, suffix). A figure no run logged (e.g. garbled) has no column.
+TABLES = [
+    ("Held-out accuracy and mismatch", [
+        ("accuracy (deployed policy)", DEPLOYED, ".3f", ""),
+        ("accuracy (full-precision master)", "accuracy_master", ".3f", ""),
+        ("gap closed", "gap_closed_pct", ".1f", " %"),
+        ("mean abs dlogp", "abs_diff_mean", ".3g", ""),
+        ("max abs dlogp", "abs_diff_max", ".3g", ""),
+        ("k3-KL", "k3_kl", ".3g", ""),
+        ("seq ratio mean", "seq_ratio_mean", ".4g", ""),
+        ("seq ratio min", "seq_ratio_min", ".4g", ""),
+        ("seq ratio max", "seq_ratio_max", ".4g", ""),
+        ("entropy", "entropy", ".3g", "")]),
+    ("Error-token rates (training rollouts)", [
+        ("training reward", "reward", ".3f", ""),
+        ("repeated n-grams", "rep_ngram", ".3g", ""),
+        ("truncated", "truncated", ".3g", ""),
+        ("low-probability tokens", "lowprob_tokens", ".3g", ""),
+        ("garbled", "garbled", ".3g", "")]),
+    ("Seconds per training step, by phase", [
+        *((phase, f"time_{phase}", ".2f", "") for phase in PHASES),
+        ("step", "time_step", ".2f", ""),
+        ("speed vs reference", "relative_speed", ".2f", "x")]),
+]
+
+
+def _value(entry: dict[str, Any], name: str) -> Stat | float | None:
+    return entry["figures"][name] if name in entry["figures"] else entry[name]
+
+
 def markdown(table: dict, section: dict[str, Any], unfinished: list[Path],
              plots: list[Path]) -> str:
-    """report.md: the three tables (accuracy and mismatch, error tokens, time) and the plots."""
-    reference, baseline = section.get("reference"), section.get("baseline")
-    arms_spec = section.get("arms", {})
+    """report.md: the arms, the three tables (accuracy and mismatch, error tokens, time) and
+    the plots."""
     lines = ["# Comparison report", "",
              "Mean ± sample std over seeds of each run's figure (qarl/report/README.md says how "
-             f"each is computed). Reference arm: `{reference}`; baseline: `{baseline}`. "
-             "Regenerate with `qarl report FOLDER`.", ""]
+             f"each is computed). Reference arm: `{section.get('reference')}`; baseline: "
+             f"`{section.get('baseline')}`. Regenerate with `qarl report FOLDER`.", ""]
     lines += _table(["arm", "overrides", "seeds"], [
-        [f"`{arm}`", f"`{json.dumps(arms_spec.get(arm, {}))}`",
+        [f"`{arm}`", f"`{json.dumps(section.get('arms', {}).get(arm, {}))}`",
          ", ".join(map(str, entry["seeds"]))] for arm, entry in table.items()])
     if unfinished:
         lines += ["Unfinished runs left out: " + ", ".join(f"`{r.parent.name}/{r.name}`"
                                                           for r in unfinished), ""]
-    accuracy = [DEPLOYED, "accuracy_master"]
-    mismatch = ["abs_diff_mean", "abs_diff_max", "k3_kl", "seq_ratio_mean", "seq_ratio_min",
-                "seq_ratio_max", "entropy"]
-    lines += ["## Held-out accuracy and mismatch", ""]
-    lines += _table(
-        ["arm", "accuracy (deployed policy)", "accuracy (full-precision master)",
-         "gap closed", "mean abs dlogp", "max abs dlogp", "k3-KL", "seq ratio mean",
-         "seq ratio min", "seq ratio max", "entropy"],
-        [[f"`{arm}`", *(_cell(e["figures"][f]) for f in accuracy),
-          _cell(e["gap_closed_pct"], 1, " %"), *(_cell(e["figures"][f], 4) for f in mismatch)]
-         for arm, e in table.items()])
-    errors = [f for f in ("rep_ngram", "truncated", "lowprob_tokens", "garbled")
-              if any(e["figures"][f].mean is not None for e in table.values())]
-    lines += ["## Error-token rates (training rollouts)", ""]
-    lines += _table(["arm", "training reward", *errors],
-                    [[f"`{arm}`", _cell(e["figures"]["reward"]),
-                      *(_cell(e["figures"][f], 4) for f in errors)] for arm, e in table.items()])
-    lines += ["## Seconds per training step, by phase", ""]
-    lines += _table(["arm", *PHASES, "step", "speed vs reference"],
-                    [[f"`{arm}`", *(_cell(e["figures"][f"time_{p}"], 2) for p in PHASES),
-                      _cell(e["figures"]["time_step"], 2), _cell(e["relative_speed"], 2, "x")]
-                     for arm, e in table.items()])
+    for title, columns in TABLES:
+        shown = [column for column in columns if column[1] not in FIGURES
+                 or any(e["figures"][column[1]].mean is not None for e in table.values())]
+        lines += [f"## {title}", ""]
+        lines += _table(["arm", *(column[0] for column in shown)],
+                        [[f"`{arm}`", *(_cell(_value(entry, name), spec, suffix)
+                                        for _, name, spec, suffix in shown)]
+                         for arm, entry in table.items()])
     lines += ["## Plots", "", *(f"![{p.stem}]({p.name})" for p in plots), ""]
     return "\n".join(lines)
 

@@ -117,6 +117,7 @@ def test_report_markdown_and_plots(tmp_path):
            "3.50 ± 0.71 | 1.14x |" in text
     assert "Unfinished runs left out: `arm/seed2`" in text
     assert "garbled" not in text.split("## Error-token")[1].split("##")[0]
+    assert "repeated n-grams" not in text  # logged only as null
 
 
 def test_finished_runs_only(tmp_path):

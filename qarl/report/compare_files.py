@@ -95,6 +95,10 @@ TABLES = [
 ]
 
 
+def _name(arm: str | None) -> str:
+    return f"`{arm}`" if arm else "none set"
+
+
 def _value(entry: dict[str, Any], name: str) -> Stat | float | None:
     return entry["figures"][name] if name in entry["figures"] else entry[name]
 
@@ -105,8 +109,8 @@ def markdown(table: dict, section: dict[str, Any], unfinished: list[Path],
     the plots."""
     lines = ["# Comparison report", "",
              "Mean ± sample std over seeds of each run's figure (qarl/report/README.md says how "
-             f"each is computed). Reference arm: `{section.get('reference')}`; baseline: "
-             f"`{section.get('baseline')}`. Regenerate with `qarl report FOLDER`.", ""]
+             f"each is computed). Reference arm: {_name(section.get('reference'))}; baseline: "
+             f"{_name(section.get('baseline'))}. Regenerate with `qarl report FOLDER`.", ""]
     lines += _table(["arm", "overrides", "seeds"], [
         [f"`{arm}`", f"`{json.dumps(section.get('arms', {}).get(arm, {}))}`",
          ", ".join(map(str, entry["seeds"]))] for arm, entry in table.items()])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -83,9 +84,16 @@ def _last_line(path: Path) -> str:
     return lines[-1].strip() if lines else "(empty log)"
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def run_all(plan: ArmPlan, runs: list[ArmRun], jobs: int) -> list[ArmRun]:
     """Run every unfinished run, `jobs` at a time, with one progress bar (on stderr) over all
-    their training steps and a line per finished or failed run. Returns the failed runs."""
+    their training steps and a line per finished or failed run. Returns the failed runs.
+
+    Interrupted (Ctrl-C, or SIGTERM, which is turned into the same KeyboardInterrupt), it
+    stops the runs it started before raising, so none is left running without it."""
     from tqdm import tqdm
 
     out = sys.stderr
@@ -98,6 +106,7 @@ def run_all(plan: ArmPlan, runs: list[ArmRun], jobs: int) -> list[ArmRun]:
                dynamic_ncols=True)
     running: dict[subprocess.Popen, tuple[ArmRun, float, IO]] = {}
     failed: list[ArmRun] = []
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         while pending or running:
             while pending and len(running) < jobs:
@@ -123,6 +132,7 @@ def run_all(plan: ArmPlan, runs: list[ArmRun], jobs: int) -> list[ArmRun]:
             if done != bar.n:
                 bar.update(done - bar.n)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         for process, (run, _, log) in running.items():  # interrupted: stop our own children
             process.terminate()
             process.wait()

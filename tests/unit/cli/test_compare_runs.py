@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+
+import pytest
 
 from qarl.cli.compare_runs import ArmRun, plan_runs, thread_env, train_command
 from qarl.config import load_arms, load_config, parse_overrides
@@ -50,3 +53,31 @@ def test_steps_done_counts_complete_training_rows(tmp_path):
     assert run.steps_done() == 2
     (run.folder / "summary.json").write_text("{}")
     assert run.finished()
+
+
+def test_sigterm_stops_the_runs_it_started(tmp_path, monkeypatch):
+    """SIGTERM to compare becomes a KeyboardInterrupt after its running children are stopped,
+    so no run is left going on without it (a later compare resumes them)."""
+    import signal
+    import subprocess
+    import threading
+
+    import qarl.cli.compare_runs as compare_runs
+
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def popen(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(compare_runs, "train_command",
+                        lambda plan, run: [sys.executable, "-c", "import time; time.sleep(60)"])
+    monkeypatch.setattr(compare_runs.subprocess, "Popen", popen)
+    plan = load_arms("tiny", [f"--run.output_dir={tmp_path}"], arms=["naive", "qarl"])
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        compare_runs.run_all(plan, plan_runs(plan), jobs=2)
+    assert len(started) == 2 and all(p.poll() is not None for p in started)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

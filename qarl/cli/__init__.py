@@ -18,6 +18,10 @@ COMMANDS = {
     "eval": ("qarl.cli.eval", "evaluate a model or checkpoint on a task's held-out set"),
     "parity": ("qarl.cli.parity", "measure learner-vs-engine logprob mismatch per scheme and alignment"),
     "models": ("qarl.cli.models", "list and prepare the embedded models"),
+    "compare": ("qarl.cli.compare", "run the arms of a recipe's [compare] section (seeds x arms "
+                "as qarl train runs) and write their report"),
+    "report": ("qarl.cli.report", "write the comparison report (report.md, compare.json, "
+               "plots) of a qarl compare folder"),
 }
 
 

@@ -9,6 +9,7 @@ Every option and its help live in `schema.py`; docs/config.md is generated from 
 `python -m qarl.config --markdown`. Cross-field rules live in `checks.py`.
 """
 
+from qarl.config.arms import ArmPlan, load_arms
 from qarl.config.errors import ConfigError, Problem
 from qarl.config.load import (
     DEFAULT_RECIPE,
@@ -21,6 +22,7 @@ from qarl.config.load import (
 from qarl.config.schema import (
     SECTIONS,
     AlgoSection,
+    CompareSection,
     EvalSection,
     LogSection,
     ModelSection,
@@ -37,6 +39,8 @@ from qarl.config.toml_out import RESOLVED_NAME, save_resolved, to_toml
 
 __all__ = [
     "AlgoSection",
+    "ArmPlan",
+    "CompareSection",
     "ConfigError",
     "DEFAULT_RECIPE",
     "EvalSection",
@@ -54,6 +58,7 @@ __all__ = [
     "SftSection",
     "TaskSection",
     "TrainSection",
+    "load_arms",
     "load_config",
     "packaged_recipes",
     "parse_overrides",

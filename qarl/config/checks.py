@@ -27,6 +27,7 @@ from qarl.algo import (
     validate_loss_params,
 )
 from qarl.config.errors import Problem, short, suggest, unknown_key
+from qarl.config.compare_schema import flatten_overrides
 from qarl.model import ZOO
 from qarl.quant import SCHEMES, scheme_options
 from qarl.tasks import REWARDS, TASKS, task_options
@@ -246,6 +247,33 @@ def tensorboard_available(log) -> list[Problem]:
     return []
 
 
+def compare_arms_consistent(compare) -> list[Problem]:
+    """[compare]: arm names are plain folder names; reference, baseline and every optional
+    name an arm; seeds are distinct and not negative; neither an arm nor compare.overrides
+    sets a run.* key (compare sets each run's seed and folder) or a compare.* key."""
+    problems = [Problem(f"compare.arms.{arm}", "is not a plain folder name; use letters, "
+                                               "digits, '.', '_' and '-' only")
+                for arm in compare.arms if not re.fullmatch(r"[A-Za-z0-9._-]+", arm)]
+    named = [("compare.reference", compare.reference), ("compare.baseline", compare.baseline)]
+    named += [(f"compare.optional[{i}]", arm) for i, arm in enumerate(compare.optional)]
+    problems += [Problem(path, f"{arm!r} is not an arm; {suggest(arm, compare.arms)}")
+                 for path, arm in named if arm is not None and arm not in compare.arms]
+    repeated = sorted({seed for seed in compare.seeds if compare.seeds.count(seed) > 1})
+    if repeated:
+        problems.append(Problem("compare.seeds", f"repeats {repeated}; list each seed once"))
+    if any(seed < 0 for seed in compare.seeds):
+        problems.append(Problem("compare.seeds", f"{compare.seeds} holds a negative seed; "
+                                                 "seeds are run.seed values, 0 or more"))
+    tables = {"compare.overrides": compare.overrides,
+              **{f"compare.arms.{arm}": table for arm, table in compare.arms.items()}}
+    for path, table in tables.items():
+        problems += [Problem(path, f"sets {key!r}; compare sets run.seed, run.output_dir and "
+                                   "run.name of each run, and arms cannot hold [compare] keys; "
+                                   "remove it (or set it in the recipe, for every arm)")
+                     for key in flatten_overrides(table) if key.split(".")[0] in ("run", "compare")]
+    return problems
+
+
 # (sections it reads, check), in the order problems are reported
 CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
     (("run",), run_name_is_a_folder),
@@ -261,6 +289,7 @@ CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
     (("train",), schedule_fits),
     (("model", "task", "rollout", "eval"), context_fits),
     (("log",), tensorboard_available),
+    (("compare",), compare_arms_consistent),
 ]
 
 

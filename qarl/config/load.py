@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from qarl.config.checks import run_checks
 from qarl.config.errors import ConfigError, Problem, pydantic_problems, short, unknown_key
-from qarl.config.schema import SECTIONS, RunConfig
+from qarl.config.schema import OPTIONAL_SECTIONS, SECTIONS, RunConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -111,6 +111,8 @@ def _validate_sections(data: dict) -> tuple[dict[str, BaseModel], list[Problem]]
     problems = [unknown_key("", key, SECTIONS, "section") for key in data if key not in SECTIONS]
     sections: dict[str, BaseModel] = {}
     for name, model in SECTIONS.items():
+        if name in OPTIONAL_SECTIONS and name not in data:
+            continue
         raw = data.get(name, {})
         if not isinstance(raw, dict):
             problems.append(Problem(name, f"should be a table [{name}], got {short(raw)}"))

@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from qarl.config.compare_schema import CompareSection
+
 # Strict: a recipe is typed TOML, so "32" is not an int and true is not a number. Ints are
 # still accepted where a float is expected (lr = 1 is fine).
 _SECTION = ConfigDict(extra="forbid", strict=True, frozen=True)
@@ -373,10 +375,14 @@ class RunConfig(BaseModel):
     eval: EvalSection = Field(default_factory=EvalSection)
     sft: SftSection = Field(default_factory=SftSection)
     log: LogSection = Field(default_factory=LogSection)
+    compare: CompareSection | None = None  # optional: None when the recipe has no [compare]
 
 
 # section name -> model, in recipe order; the loader validates each on its own so that
 # problems in one section do not hide problems in another.
 SECTIONS: dict[str, type[BaseModel]] = {
-    name: field.annotation for name, field in RunConfig.model_fields.items()
+    **{name: field.annotation for name, field in RunConfig.model_fields.items()},
+    "compare": CompareSection,
 }
+# Sections that stay None when the recipe leaves them out (no defaults filled in).
+OPTIONAL_SECTIONS = frozenset({"compare"})

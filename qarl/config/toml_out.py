@@ -60,6 +60,8 @@ def to_toml(config: RunConfig, header: str = "") -> str:
     """The config as a TOML document: one [section] per section, every non-None field."""
     lines = [f"# {line}" if line else "#" for line in header.splitlines()]
     for section, values in config.model_dump().items():
+        if values is None:  # an optional section the recipe leaves out
+            continue
         if lines:
             lines.append("")
         lines.append(f"[{section}]")

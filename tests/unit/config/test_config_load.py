@@ -13,6 +13,7 @@ from qarl.config import (
     SECTIONS,
     ConfigError,
     RunConfig,
+    load_arms,
     load_config,
     packaged_recipes,
     parse_overrides,
@@ -117,17 +118,18 @@ def test_packaged_recipes_load(name):
 
 
 def test_compare_arms_load():
-    """The five arm override lists documented in compare.toml all load and differ as stated."""
-    text = (RECIPES_DIR / "compare.toml").read_text()
-    arms = [line.split(":", 1)[1].split() for line in text.splitlines()
-            if line.startswith("# arm ")]
-    assert len(arms) == 5
-    configs = [load_config("compare", arm) for arm in arms]
-    assert len({c.run.name for c in configs}) == 5
+    """compare.toml's five arms load and differ as their comments state; the sixth (fake
+    alignment) is optional, so it runs only when named."""
+    plan = load_arms("compare")
+    configs = list(plan.configs.values())
+    assert list(plan.configs) == ["fp-grpo", "naive-grpo", "naive-grpo-tis", "qarl-grpo",
+                                  "qarl-tbpo"]
     assert configs[0].quant.scheme == "none"
     assert [c.quant.align for c in configs[1:]] == ["naive", "naive", "kernel", "kernel"]
     assert configs[2].algo.correction == "tis_token"
     assert [c.algo.loss for c in configs] == ["grpo"] * 4 + ["tbpo"]
+    fake = load_arms("compare", arms=["qarl-fake-tbpo"]).configs["qarl-fake-tbpo"]
+    assert (fake.quant.align, fake.algo.loss) == ("fake", "tbpo")
 
 
 def test_run_config_is_rechecked():

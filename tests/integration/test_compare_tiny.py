@@ -1,0 +1,80 @@
+"""`qarl compare` end to end on the tiny recipe: two arms, one seed, two steps per run; then a
+second invocation that keeps the finished run, resumes the unfinished one and survives a
+failing one."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+
+import pytest
+
+from qarl.cli import main
+from qarl.config import load_config
+from qarl.report import read_metrics
+from qarl.report.compare import summarize
+
+ARGS = ["compare", "tiny", "--train.steps=2", "--jobs", "2"]
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    """The comparison folder after `qarl compare tiny --arms naive,qarl` (exit status 0)."""
+    out = tmp_path_factory.mktemp("runs")
+    assert main([*ARGS, "--arms", "naive,qarl", f"--run.output_dir={out}"]) == 0
+    return out
+
+
+def test_runs_are_train_runs_and_report_is_their_metrics(compared):
+    """Each arm/seed is an ordinary, finished run folder with the arm's config; the report's
+    table is the one computed from those metrics files, and the plots exist."""
+    folder = compared / "tiny"
+    runs = {}
+    for arm, align in (("naive", "naive"), ("qarl", "kernel")):
+        run = folder / arm / "seed0"
+        config = load_config(run / "config.toml")
+        assert (config.quant.align, config.run.seed, config.train.steps) == (align, 0, 2)
+        assert (run / "summary.json").exists() and (folder / arm / "seed0.log").exists()
+        rows = read_metrics(run / "metrics.jsonl")
+        assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2]
+        runs[arm] = {0: rows}
+    report = json.loads((folder / "compare.json").read_text())
+    expected = summarize(runs, "fp", "naive")
+    assert list(report["arms"]) == ["naive", "qarl"]
+    for arm, entry in expected.items():
+        for name, stat in entry["figures"].items():
+            assert report["arms"][arm]["figures"][name]["values"] == stat.values, name
+    text = (folder / "report.md").read_text()
+    assert "| `naive` |" in text and "| `qarl` |" in text
+    for image in ("accuracy", "mismatch", "errors", "time"):
+        assert (folder / f"{image}.png").stat().st_size > 0
+    # the aligned learner replays the engine's kernel: no mismatch; the naive one has some
+    assert report["arms"]["qarl"]["figures"]["abs_diff_max"]["mean"] == 0.0
+    assert report["arms"]["naive"]["figures"]["abs_diff_max"]["mean"] > 0.0
+
+
+def test_second_compare_keeps_resumes_and_reports_failures(compared, capsys):
+    """Run again: the finished run is not touched (same bytes, same mtimes), the one without
+    summary.json completes from its checkpoint, a failing run is reported with its log and
+    the others still finish; the exit status is 1."""
+    folder = compared / "tiny"
+    kept = {p: (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in (folder / "naive" / "seed0").rglob("*") if p.is_file()}
+    (folder / "qarl" / "seed0" / "summary.json").unlink()
+    locked = folder / "fp" / "seed0"
+    locked.mkdir(parents=True)
+    with open(locked / ".lock", "w") as lock:  # another process "holds" the fp run
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        code = main([*ARGS, "--arms", "naive,qarl,fp", f"--run.output_dir={compared}"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "naive/seed0: finished before, not run again" in err
+    assert "qarl/seed0: done in" in err
+    assert "fp/seed0: FAILED (exit status 1)" in err and "another qarl process" in err
+    assert f"log: {folder / 'fp' / 'seed0.log'}" in err
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in kept} == kept
+    assert (folder / "qarl" / "seed0" / "summary.json").exists()
+    rows = read_metrics(folder / "qarl" / "seed0" / "metrics.jsonl")
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2]
+    report = json.loads((folder / "compare.json").read_text())
+    assert list(report["arms"]) == ["naive", "qarl"]

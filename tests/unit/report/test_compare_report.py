@@ -1,0 +1,150 @@
+"""The comparison report from a fixture of hand-written metrics files: every table number is
+the one computed by hand, and only finished runs count."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from qarl.report.compare import curve, gap_closed, relative_speed, stat, summarize
+from qarl.report.compare_files import find_runs, write_report
+
+# arm -> seed -> (final deployed accuracy, final master accuracy, seconds per phase per step)
+FIXTURE = {
+    "ref": {0: (0.75, 0.75, (2.0, 0.0, 0.5, 1.0, 0.5)), 1: (0.75, 0.75, (2.0, 0.0, 0.5, 1.0, 0.5))},
+    "base": {0: (0.25, 0.5, (1.0, 0.0, 0.5, 1.0, 0.5)), 1: (0.25, 0.5, (1.0, 0.0, 0.5, 1.0, 0.5))},
+    "arm": {0: (0.5, 0.5, (1.0, 0.0, 1.0, 1.5, 0.5)), 1: (0.75, 1.0, (1.0, 0.0, 0.5, 1.0, 0.5))},
+}
+PHASES = ("generate", "reward", "old_logp", "update", "sync")
+CONFIG = """[run]
+seed = 0
+
+[compare]
+seeds = [0, 1]
+reference = "ref"
+baseline = "base"
+
+[compare.arms]
+ref = {quant = {scheme = "none"}}
+base = {quant = {align = "naive"}}
+arm = {quant = {align = "kernel"}}
+"""
+
+
+def rows_of(arm: str, seed: int) -> list[dict]:
+    """Two training steps and three evaluations; the middle evaluation is not final."""
+    deployed, master, phases = FIXTURE[arm][seed]
+    times = {f"time/{name}": value for name, value in zip(PHASES, phases)}
+    # the reference runs unquantized: its evaluations hold only the full-precision policy
+    quantized = {} if arm == "ref" else {"eval/accuracy_quantized": deployed}
+    evals = [{"step": step, "kind": "eval", "eval/accuracy_full_precision": acc, **q}
+             for step, acc, q in ((0, 0.0, {"eval/accuracy_quantized": 0.0} if quantized else {}),
+                                  (1, 0.9, {"eval/accuracy_quantized": 0.9} if quantized else {}),
+                                  (2, master, quantized))]
+    train = [{"step": step, "kind": "train", "reward/mean": 0.25 * step + seed,
+              "mismatch/abs_diff_mean": 0.125 * step, "mismatch/abs_diff_max": step + seed,
+              "mismatch/seq_ratio_min": 1.0 - 0.25 * step, "errors/rep_ngram": None,
+              "errors/truncated": 0.5 * (step - 1), **times} for step in (1, 2)]
+    return [evals[0], train[0], evals[1], train[1], evals[2]]
+
+
+def write_fixture(folder: Path) -> None:
+    for arm, seeds in FIXTURE.items():
+        for seed in seeds:
+            run = folder / arm / f"seed{seed}"
+            run.mkdir(parents=True)
+            (run / "metrics.jsonl").write_text(
+                "".join(json.dumps(row) + "\n" for row in rows_of(arm, seed)))
+            (run / "config.toml").write_text(CONFIG)
+            (run / "summary.json").write_text("{}")
+    unfinished = folder / "arm" / "seed2"  # would change every mean of `arm` if it counted
+    unfinished.mkdir()
+    (unfinished / "metrics.jsonl").write_text(json.dumps(
+        {"step": 2, "kind": "eval", "eval/accuracy_quantized": 0.0}) + "\n")
+
+
+def test_table_numbers_from_fixture(tmp_path):
+    """Means, sample stds, gap closed and relative speed are exactly the hand-computed ones."""
+    write_fixture(tmp_path)
+    write_report(tmp_path)
+    report = json.loads((tmp_path / "compare.json").read_text())
+    assert (report["reference"], report["baseline"]) == ("ref", "base")
+    assert list(report["arms"]) == ["ref", "base", "arm"]  # the recipe's order
+    assert report["unfinished"] == ["arm/seed2"]
+    arm, ref = report["arms"]["arm"], report["arms"]["ref"]
+    assert arm["seeds"] == [0, 1]
+    figures = arm["figures"]
+    # final evaluation (step 2), not the better middle one; sample std of [0.5, 0.75]
+    assert figures["accuracy_deployed"] == {"mean": 0.625, "std": math.sqrt(0.03125),
+                                            "values": [0.5, 0.75]}
+    assert figures["accuracy_master"]["mean"] == 0.75
+    # the unquantized reference is deployed at full precision
+    assert ref["figures"]["accuracy_deployed"] == {"mean": 0.75, "std": 0.0,
+                                                   "values": [0.75, 0.75]}
+    # (0.625 - 0.25) / (0.75 - 0.25)
+    assert arm["gap_closed_pct"] == 75.0
+    assert report["arms"]["base"]["gap_closed_pct"] == 0.0 and ref["gap_closed_pct"] == 100.0
+    # per-step means over steps 1, 2, then over seeds
+    assert figures["reward"]["values"] == [0.375, 1.375] and figures["reward"]["mean"] == 0.875
+    assert figures["abs_diff_mean"]["values"] == [0.1875, 0.1875]
+    assert figures["abs_diff_max"]["values"] == [2.0, 3.0]  # max over steps
+    assert figures["seq_ratio_min"]["values"] == [0.5, 0.5]  # min over steps
+    assert figures["rep_ngram"] == {"mean": None, "std": None, "values": []}  # null skipped
+    assert figures["truncated"]["mean"] == 0.25
+    assert figures["garbled"]["mean"] is None  # never logged
+    # seconds per step: seed 0 sums to 4.0, seed 1 to 3.0; the reference to 4.0
+    assert figures["time_step"]["values"] == [4.0, 3.0]
+    assert figures["time_old_logp"]["values"] == [1.0, 0.5]
+    assert arm["relative_speed"] == 4.0 / 3.5
+    assert ref["relative_speed"] == 1.0 and report["arms"]["base"]["relative_speed"] == 4.0 / 3.0
+
+
+def test_report_markdown_and_plots(tmp_path):
+    """report.md holds the table rows with mean ± std and n/a where a number is undefined;
+    the four plots are written."""
+    write_fixture(tmp_path)
+    paths = write_report(tmp_path)
+    assert [p.name for p in paths] == ["report.md", "compare.json", "accuracy.png",
+                                       "mismatch.png", "errors.png", "time.png"]
+    assert all(p.stat().st_size > 0 for p in paths)
+    text = (tmp_path / "report.md").read_text()
+    assert "| `arm` | 0.625 ± 0.177 | 0.750 ± 0.354 | 75.0 % |" in text
+    assert "| `ref` | 0.750 ± 0.000 | 0.750 ± 0.000 | 100.0 % |" in text
+    assert "| `arm` | 1.00 ± 0.00 | 0.00 ± 0.00 | 0.75 ± 0.35 | 1.25 ± 0.35 | 0.50 ± 0.00 | " \
+           "3.50 ± 0.71 | 1.14x |" in text
+    assert "Unfinished runs left out: `arm/seed2`" in text
+    assert "garbled" not in text.split("## Error-token")[1].split("##")[0]
+    assert "repeated n-grams" not in text  # logged only as null
+
+
+def test_finished_runs_only(tmp_path):
+    """A run counts once its summary.json exists; folders not named seedK are ignored."""
+    write_fixture(tmp_path)
+    (tmp_path / "arm" / "seed_old").mkdir()
+    (tmp_path / "arm" / "seed_old" / "metrics.jsonl").write_text("")
+    finished, unfinished = find_runs(tmp_path)
+    assert {arm: sorted(seeds) for arm, seeds in finished.items()} == {
+        "arm": [0, 1], "base": [0, 1], "ref": [0, 1]}
+    assert unfinished == [tmp_path / "arm" / "seed2"]
+
+
+def test_no_finished_runs_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no finished runs under .*ARM/seedK"):
+        write_report(tmp_path)
+
+
+def test_pure_pieces():
+    """Gap closed is n/a without a gap to close; one seed has no std; the curve band is the
+    min and max over seeds at each step."""
+    assert gap_closed(0.5, 0.4, 0.4) is None and gap_closed(0.5, None, 0.1) is None
+    assert gap_closed(0.1, 0.5, 0.3) == pytest.approx(-100.0)
+    assert relative_speed(2.0, 1.0) == 0.5 and relative_speed(None, 1.0) is None
+    assert stat([0.5, None]).std is None and stat([None]).mean is None
+    line = curve({0: rows_of("arm", 0), 1: rows_of("arm", 1)}, "reward/mean")
+    assert (line.steps, line.low, line.high, line.mean) == ([1, 2], [0.25, 0.5], [1.25, 1.5],
+                                                            [0.75, 1.0])
+    table = summarize({"a": {0: rows_of("arm", 0)}})
+    assert table["a"]["gap_closed_pct"] is None and table["a"]["relative_speed"] is None

@@ -302,6 +302,10 @@ class TrainSection(BaseModel):
     keep_checkpoints: int = Field(
         2, ge=1, description="Most recent checkpoints kept in the run folder."
     )
+    max_bad_steps: int = Field(
+        3, ge=1, description="Abort after this many steps in a row whose loss or gradient was "
+        "not finite (each such step is skipped: weights and optimizer state untouched)."
+    )
 
 
 class EvalSection(BaseModel):

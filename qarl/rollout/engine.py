@@ -17,7 +17,7 @@ with logprob 0.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 
 import torch
@@ -64,6 +64,10 @@ class LocalEngine:
     relative, see `qarl.rollout.prepack`); False uses the model's own forward. fuse_blocks:
     False packs each linear on its own instead of fusing blocks (for comparison).
     """
+
+    # Called before every decode step; may raise to abandon generation (the trainer sets
+    # its SIGTERM / SIGINT check, qarl.train.signals).
+    stop_check: Callable[[], None] = staticmethod(lambda: None)
 
     def __init__(
         self,
@@ -191,6 +195,7 @@ class LocalEngine:
 
         logits = prefill(self.model, ids, positions, cache, key_mask)  # [N, V]
         for t in range(budget):
+            self.stop_check()
             if forced is None:
                 tokens, token_logp = sample(logits, sampling, generator)  # [B] each
             else:

@@ -93,7 +93,10 @@ def _unflatten_optimizer(optimizers, tensors: dict, scalars: list) -> None:
                 state.setdefault(int(pid), {})[key] = value
         for pid, values in meta["scalars"].items():
             state.setdefault(int(pid), {}).update(values)
-        opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        # JSON has no tuples: give back the ones the optimizer holds (e.g. AdamW's betas).
+        groups = [{k: tuple(v) if isinstance(current.get(k), tuple) else v for k, v in saved.items()}
+                  for saved, current in zip(meta["param_groups"], opt.param_groups)]
+        opt.load_state_dict({"state": state, "param_groups": groups})
 
 
 def _master_weights(model: nn.Module) -> dict[str, torch.Tensor]:

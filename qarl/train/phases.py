@@ -86,6 +86,7 @@ def reward_metrics(result: RewardResult) -> dict[str, float]:
     metrics = {f"reward/{k}": v / n for k, v in result.counts.items()}
     metrics["reward/mean"] = sum(scored) / len(scored) if scored else float("nan")
     metrics["reward/accuracy"] = sum(r >= 1.0 for r in scored) / n
+    metrics["reward/workers_replaced"] = float(result.workers_replaced)
     return metrics
 
 

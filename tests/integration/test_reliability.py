@@ -215,23 +215,26 @@ def test_no_signal_steps_are_no_ops(tmp_path):
 
 def test_rewards_that_hang_raise_exit_or_return_junk_are_counted(tmp_path):
     """With a reward that, by the gold answer, sleeps past its deadline, raises, calls
-    os._exit, returns a string or scores: the run finishes and each step's outcome counts are
-    exactly those the answers call for (4 samples per prompt)."""
+    os._exit, returns a string or scores: the run finishes and each step's outcome counts
+    (and workers replaced: one per hang or exit) are exactly those the answers call for (2
+    samples per prompt; seed 0 reaches every behaviour in 3 steps)."""
     from reliability_rewards import BEHAVIOURS
 
     config = load_config("tiny", _in_process(tmp_path, **{
         "task.reward": "reliability_rewards:misbehaving", "task.reward_timeout_s": 0.5,
-        "task.reward_workers": 2, "train.steps": 3, "rollout.batch_size": 16, "eval.size": 4}))
+        "task.reward_workers": 2, "train.steps": 3, "rollout.group_size": 2,
+        "rollout.batch_size": 8, "train.micro_batch_size": 8, "eval.size": 2}))
     task = make_task(config.task.name, **config.task.options)
     expected, seen = [], set()
     for step in range(config.train.steps):
         answers = [ex.answer for ex in train_examples(task, config.run.seed, step, 4)]
         kinds = [BEHAVIOURS[int(a) % 5] for a in answers]
         seen.update(kinds)
-        expected.append({"timeout": kinds.count("hang") * 4 / 16,
-                         "error": sum(kinds.count(k) for k in ("raise", "exit", "string")) * 4 / 16,
-                         "ok": kinds.count("ok") * 4 / 16})
+        expected.append({"timeout": kinds.count("hang") / 4,
+                         "error": sum(kinds.count(k) for k in ("raise", "exit", "string")) / 4,
+                         "ok": kinds.count("ok") / 4,
+                         "workers_replaced": (kinds.count("hang") + kinds.count("exit")) * 2})
     assert seen == set(BEHAVIOURS), f"seed {config.run.seed} does not reach every behaviour"
     train(config)
     rows = [r for r in read_metrics(tmp_path / "tiny" / "metrics.jsonl") if r["kind"] == "train"]
-    assert [{k: r[f"reward/{k}"] for k in ("timeout", "error", "ok")} for r in rows] == expected
+    assert [{k: r[f"reward/{k}"] for k in expected[0]} for r in rows] == expected

@@ -35,8 +35,10 @@ class RunSection(BaseModel):
     seed: int = Field(0, ge=0, description="Seed for sampling, data order and initialization.")
     resume: bool = Field(
         True,
-        description="Resume from the last checkpoint in the run folder if there is one; "
-        "false starts from step 0 even when checkpoints exist.",
+        description="Resume from the last checkpoint in the run folder if there is one (the "
+        "recipe must be the one it was saved with, save for train.steps, micro-batch, "
+        "checkpoint and log settings); false starts from step 0 and clears the folder's "
+        "checkpoints and metrics. `qarl train --resume RUN_DIR` resumes with the saved recipe.",
     )
 
 

@@ -145,12 +145,17 @@ def _write_files(tmp: Path, step: int, model, optimizers, state: dict, rng: RngS
     _fsync(tmp)
 
 
+def step_folder(run_dir: Path, step: int) -> Path:
+    """Where checkpoint `step` of a run lives."""
+    return Path(run_dir) / f"{PREFIX}{step:06d}"
+
+
 def save(run_dir: Path, step: int, model: nn.Module, optimizers, state: dict, rng: RngState,
          config_toml: str, keep: int) -> Path:
     """Write checkpoint `step` of run_dir (see the module docstring), point `latest` at it,
     keep the newest `keep`. `state`: the trainer's JSON-able state."""
     run_dir = Path(run_dir)
-    final = run_dir / f"{PREFIX}{step:06d}"
+    final = step_folder(run_dir, step)
     tmp = run_dir / f".tmp_{final.name}"
     for junk in [tmp, *run_dir.glob(".trash_*")]:  # left by a process killed mid-save
         shutil.rmtree(junk, ignore_errors=True)

@@ -147,7 +147,7 @@ class Loop:
                 check_stop()
             return before, self.evaluate()
         except StopRequested as stop:
-            if self.saved is None or self.saved.name != f"{checkpoint.PREFIX}{self.done:06d}":
+            if self.saved != checkpoint.step_folder(self.run_dir, self.done):
                 self.save()
             raise RunStopped(stop.signum, self.saved, self.run_dir) from None
         except RuntimeError as err:

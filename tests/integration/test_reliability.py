@@ -42,21 +42,27 @@ def _args(out: Path, **extra) -> list[str]:
               for k, v in {**SMALL, **extra}.items())]
 
 
-def _start(args: list[str], **env) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(HERE / "run_qarl.py"), *args],
-                            env={**os.environ, **env}, stderr=subprocess.PIPE, text=True)
+def _start(args: list[str], logs: Path, **env) -> subprocess.Popen:
+    """Run qarl ARGS; its stderr goes to a file in `logs` (a pipe nobody reads could fill
+    and block it), readable as `child.log.read_text()`."""
+    log = logs / f"stderr_{time.monotonic_ns()}.txt"
+    with log.open("w") as sink:
+        child = subprocess.Popen([sys.executable, str(HERE / "run_qarl.py"), *args],
+                                 env={**os.environ, **env}, stderr=sink)
+    child.log = log
+    return child
 
 
-def _finish(args: list[str], **env) -> None:
-    child = _start(args, **env)
-    _, err = child.communicate(timeout=600)
-    assert child.returncode == 0, err
+def _finish(args: list[str], logs: Path, **env) -> None:
+    child = _start(args, logs, **env)
+    child.wait(timeout=600)
+    assert child.returncode == 0, child.log.read_text()
 
 
 def _wait_for(predicate, child: subprocess.Popen, what: str, limit_s: float = 300) -> None:
     deadline = time.monotonic() + limit_s
     while not predicate():
-        assert child.poll() is None, f"the run ended before {what}: {child.stderr.read()}"
+        assert child.poll() is None, f"the run ended before {what}: {child.log.read_text()}"
         assert time.monotonic() < deadline, f"no {what} within {limit_s} s"
         time.sleep(0.02)
 
@@ -65,7 +71,7 @@ def _stop(child: subprocess.Popen, signum: int) -> float:
     """Send `signum`; return the seconds the run took to exit."""
     start = time.monotonic()
     child.send_signal(signum)
-    child.communicate(timeout=60)
+    child.wait(timeout=60)
     return time.monotonic() - start
 
 
@@ -89,7 +95,7 @@ def _assert_same_run(run_dir: Path, reference: tuple[dict, list[dict]]) -> None:
 def reference(tmp_path_factory):
     """The uninterrupted run every interrupted one is compared with."""
     out = tmp_path_factory.mktemp("reference")
-    _finish(_args(out))
+    _finish(_args(out), out)
     return _outcome(out / "tiny")
 
 
@@ -98,13 +104,13 @@ def test_sigkill_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(tmp
     `qarl train --resume`: the final weights are torch.equal to the uninterrupted run's and
     the metrics rows (timings aside) are the same rows, none duplicated."""
     delay = random.uniform(0.0, 1.5)
-    child = _start(_args(tmp_path, **{"train.checkpoint_every": 2}))
+    child = _start(_args(tmp_path, **{"train.checkpoint_every": 2}), tmp_path)
     run_dir = tmp_path / "tiny"
     _wait_for(lambda: (run_dir / "latest").exists(), child, "the step-2 checkpoint")
     time.sleep(delay)
     child.send_signal(signal.SIGKILL)
-    child.communicate(timeout=60)
-    _finish(["train", "--resume", str(run_dir)])
+    child.wait(timeout=60)
+    _finish(["train", "--resume", str(run_dir)], tmp_path)
     _assert_same_run(run_dir, reference)
 
 
@@ -114,21 +120,23 @@ def test_sigterm_in_generation_and_in_rewards_then_resume(tmp_path, reference):
     Resumed, SIGTERM while a reward hangs in the redone step 3: exit 143 again within a few
     seconds. Resumed again, the run ends exactly as the uninterrupted one."""
     run_dir, marker = tmp_path / "tiny", tmp_path / "in_generation"
-    child = _start(_args(tmp_path), QARL_TEST_SLOW_DECODE=f"2:{marker}")
+    child = _start(_args(tmp_path), tmp_path, QARL_TEST_SLOW_DECODE=f"2:{marker}")
     _wait_for(marker.exists, child, "step 3's generation")
     seconds = _stop(child, signal.SIGTERM)
     assert child.returncode == 143 and seconds < 5, (child.returncode, seconds)
+    assert f"continue with: qarl train --resume {run_dir}" in child.log.read_text()
     assert checkpoint.latest(run_dir).name == "step_000002"
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"] == [1, 2]
 
     marker = tmp_path / "in_reward"
-    child = _start(["train", "--resume", str(run_dir)], QARL_TEST_SLOW_REWARD=str(marker))
+    child = _start(["train", "--resume", str(run_dir)], tmp_path,
+                   QARL_TEST_SLOW_REWARD=str(marker))
     _wait_for(marker.exists, child, "a reward call of step 3")
     seconds = _stop(child, signal.SIGTERM)
     assert child.returncode == 143 and seconds < 5, (child.returncode, seconds)
     assert checkpoint.latest(run_dir).name == "step_000002"
 
-    _finish(["train", "--resume", str(run_dir)])
+    _finish(["train", "--resume", str(run_dir)], tmp_path)
     _assert_same_run(run_dir, reference)
 
 

@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 from qarl.config import ConfigError, load_config, save_resolved
-from qarl.train.guards import BadStepGuard, TrainingAborted, is_out_of_memory, out_of_memory_message
+from qarl.train.guards import (
+    BadStepGuard, RunStopped, TrainingAborted, is_out_of_memory, out_of_memory_message,
+)
 from qarl.train.phases import optimizer_step
 from qarl.train.resume import check_resumable, resume_config
 from qarl.train.signals import StopRequested, check_stop, stop_on_signals
@@ -80,7 +82,8 @@ def test_bad_steps_in_a_row_abort_with_what_to_check():
 
 def test_stop_signals_set_a_flag_and_a_second_acts_as_usual():
     """Inside stop_on_signals a SIGTERM only sets the flag check_stop raises on (the process
-    lives on); the previous handlers are back after the first signal and after the block."""
+    lives on); the previous handlers are back after the first signal and after the block; a
+    stopped run exits 128 + the signal number (143 SIGTERM, 130 SIGINT)."""
     seen = []
     sigint = signal.getsignal(signal.SIGINT)
     previous = signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
@@ -95,6 +98,8 @@ def test_stop_signals_set_a_flag_and_a_second_acts_as_usual():
             assert seen == [signal.SIGTERM]
         check_stop()  # the flag ends with the block
         assert signal.getsignal(signal.SIGINT) is sigint
+        codes = [RunStopped(s, Path("c"), Path("r")).exit_code for s in (signal.SIGTERM, signal.SIGINT)]
+        assert codes == [143, 130]
     finally:
         signal.signal(signal.SIGTERM, previous)
 

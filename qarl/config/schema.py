@@ -37,8 +37,10 @@ class RunSection(BaseModel):
     seed: int = Field(0, ge=0, description="Seed for sampling, data order and initialization.")
     resume: bool = Field(
         True,
-        description="Resume from the last checkpoint in the run folder if there is one; "
-        "false starts from step 0 even when checkpoints exist.",
+        description="Resume from the last checkpoint in the run folder if there is one (the "
+        "recipe must be the one it was saved with, save for train.steps, micro-batch, "
+        "checkpoint and log settings); false starts from step 0 and clears the folder's "
+        "checkpoints and metrics. `qarl train --resume RUN_DIR` resumes with the saved recipe.",
     )
 
 
@@ -303,6 +305,10 @@ class TrainSection(BaseModel):
     )
     keep_checkpoints: int = Field(
         2, ge=1, description="Most recent checkpoints kept in the run folder."
+    )
+    max_bad_steps: int = Field(
+        3, ge=1, description="Abort after this many steps in a row whose loss or gradient was "
+        "not finite (each such step is skipped: weights and optimizer state untouched)."
     )
 
 

@@ -22,7 +22,7 @@ or each layer's own forward. The model object itself is never modified.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -67,6 +67,10 @@ class LocalEngine:
     by ~1e-6 relative, see `qarl.rollout.prepack`); False runs each module's own forward.
     fuse_blocks: False packs each linear on its own instead of fusing blocks (for comparison).
     """
+
+    # Called before every decode step; may raise to abandon generation (the trainer sets
+    # its SIGTERM / SIGINT check, qarl.train.signals).
+    stop_check: Callable[[], None] = staticmethod(lambda: None)
 
     def __init__(
         self,
@@ -199,6 +203,7 @@ class LocalEngine:
 
         logits = prefill(plan, ids, positions, cache, key_mask)  # [N, V]
         for t in range(budget):
+            self.stop_check()
             if forced is None:
                 tokens, token_logp = sample(logits, sampling, generator)  # [B] each
             else:

@@ -7,34 +7,40 @@ one call at a time over its own pipe. Every call ends in exactly one outcome:
   ok          the reward returned a finite number
   unscorable  the reward returned None
   error       the reward raised, returned something that is not a finite number, or its
-              worker died; the message is kept in `RewardResult.errors`
+              worker died (e.g. `os._exit`), or the call's fields are not JSON values;
+              the message is kept in `RewardResult.errors`
   timeout     no answer within timeout_s of the call reaching the worker; the worker is
               killed and replaced, the other calls go on
 
-Rewards of error/timeout calls are None (never a silent 0); the counts come back with them.
-Workers are fresh interpreters (see `qarl.tasks.worker`), not forks: safe
-when the parent has torch loaded, and the parent's `__main__` is never re-imported.
+Rewards of error/timeout calls are None (never a silent 0); the counts come back with them,
+and so does the number of workers replaced. Workers are fresh interpreters speaking JSON
+(see `qarl.tasks.worker`), not forks: safe when the parent has torch loaded, the parent's
+`__main__` is never re-imported, and nothing is unpickled. `stop_check`, called while
+waiting, may raise to abandon a batch (the trainer's SIGTERM / SIGINT check); workers left
+busy are replaced before the next batch.
 `num_workers=0` scores inline in the calling process (no process start-up; exceptions are still
 counted, but deadlines cannot be enforced): for tests and debugging.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from qarl.tasks.rewards import load_reward, resolve_spec
-from qarl.tasks.worker import ENTRY, score_one
+from qarl.tasks.worker import ENTRY, encode_call, receive, score_one, send
 
 OUTCOMES = ("ok", "unscorable", "error", "timeout")
+POLL_S = 0.1  # longest wait between two `stop_check` calls
 
 Call = tuple[str, str, dict[str, Any]]  # (prompt, completion, reward fields)
 
@@ -47,6 +53,7 @@ class RewardResult:
     outcomes: list[str]  # one of OUTCOMES per call
     errors: dict[int, str] = field(default_factory=dict)  # call index -> message (error/timeout)
     seconds: float = 0.0  # wall time of the batch
+    workers_replaced: int = 0  # workers killed (timeout) or found dead, and restarted
 
     @property
     def counts(self) -> dict[str, int]:
@@ -69,7 +76,7 @@ class _Worker:
         os.close(from_child_w)
         self.outbox = Connection(to_child_w, readable=False)
         self.inbox = Connection(from_child_r, writable=False)
-        self.outbox.send((spec, list(sys.path)))
+        send(self.outbox, {"spec": spec, "sys_path": list(sys.path)})
         self.ready = False
         self.index: int | None = None  # call in flight
         self.deadline = math.inf
@@ -82,6 +89,7 @@ class _Worker:
             return None
 
     def kill(self) -> None:
+        """Stop the process at once and close its pipes."""
         self.process.kill()
         self.process.wait()
         self.inbox.close()
@@ -115,6 +123,7 @@ class RewardRunner:
         self.spec = resolve_spec(reward_fn_spec)
         self.timeout_s, self.startup_timeout_s = float(timeout_s), startup_timeout_s
         self.workers_replaced = 0
+        self.stop_check: Callable[[], None] = lambda: None
         self._inline_fn = load_reward(self.spec) if num_workers == 0 else None
         self._workers = [_Worker(self.spec) for _ in range(num_workers)]
         self._closed = False
@@ -134,26 +143,32 @@ class RewardRunner:
         for w in self._workers:
             if w.ready:
                 continue
-            if not w.inbox.poll(max(0.0, deadline - time.monotonic())):
-                raise RuntimeError(
-                    f"reward worker for {self.spec!r} did not start within "
-                    f"{self.startup_timeout_s} s; raise startup_timeout_s if its imports are slow"
-                )
+            while not w.inbox.poll(min(POLL_S, max(0.0, deadline - time.monotonic()))):
+                self.stop_check()
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(
+                        f"reward worker for {self.spec!r} did not start within "
+                        f"{self.startup_timeout_s} s; raise startup_timeout_s if its imports "
+                        "are slow"
+                    )
             try:
-                kind, message = w.inbox.recv()
+                message = receive(w.inbox)
             except EOFError:
                 raise RuntimeError(
                     f"reward worker for {self.spec!r} exited during start-up "
                     f"(exit code {w.exit_code()})"
                 ) from None
-            if kind == "init_error":
-                raise RuntimeError(f"reward worker could not load {self.spec!r}: {message}")
+            if "init_error" in message:
+                raise RuntimeError(f"reward worker could not load {self.spec!r}: "
+                                   f"{message['init_error']}")
             w.ready = True
 
-    def _replace(self, worker: _Worker) -> None:
+    def _replace(self, worker: _Worker, result: RewardResult | None = None) -> None:
         worker.kill()
         self._workers[self._workers.index(worker)] = _Worker(self.spec)
         self.workers_replaced += 1
+        if result is not None:
+            result.workers_replaced += 1
 
     def score(self, calls: Sequence[Call]) -> RewardResult:
         """Score every (prompt, completion, fields) call; see the module docstring."""
@@ -161,11 +176,20 @@ class RewardRunner:
             raise RuntimeError("this RewardRunner is closed; create a new one")
         start = time.monotonic()
         result = RewardResult(rewards=[None] * len(calls), outcomes=["error"] * len(calls))
+        messages = {}
+        for i, call in enumerate(calls):
+            try:
+                messages[i] = encode_call(i, *call)
+            except (TypeError, ValueError) as e:
+                self._record(result, i, "error", f"reward fields are not JSON values: {e}")
         if self._inline_fn is not None:
-            for i, (prompt, completion, fields) in enumerate(calls):
-                self._record(result, i, *score_one(self._inline_fn, prompt, completion, fields))
+            for i, message in messages.items():
+                self.stop_check()
+                job = json.loads(message)
+                self._record(result, i, *score_one(self._inline_fn, job["prompt"],
+                                                   job["completion"], job["fields"]))
         else:
-            self._score_in_workers(calls, result)
+            self._score_in_workers(messages, result)
         result.seconds = time.monotonic() - start
         return result
 
@@ -177,12 +201,12 @@ class RewardRunner:
         elif outcome in ("error", "timeout"):
             result.errors[index] = payload
 
-    def _score_in_workers(self, calls: Sequence[Call], result: RewardResult) -> None:
+    def _score_in_workers(self, messages: dict[int, bytes], result: RewardResult) -> None:
         for w in list(self._workers):
             if w.index is not None:  # left busy by a score() that raised: its answer is stale
                 self._replace(w)
-        pending = deque(range(len(calls)))
-        remaining = len(calls)
+        pending = deque(messages)
+        remaining = len(messages)
         while remaining:
             self._await_ready()
             for w in list(self._workers):
@@ -190,50 +214,60 @@ class RewardRunner:
                     w.index = pending.popleft()
                     w.deadline = time.monotonic() + self.timeout_s
                     try:
-                        w.outbox.send((w.index, calls[w.index]))
+                        w.outbox.send_bytes(messages[w.index])
                     except (BrokenPipeError, ConnectionResetError):
                         # Died between calls: not this call's doing, so it goes back in line.
                         pending.appendleft(w.index)
-                        self._replace(w)
+                        self._replace(w, result)
             busy = [w for w in self._workers if w.index is not None]
             if not busy:
                 continue
             nearest = min(w.deadline for w in busy)
-            ready = wait([w.inbox for w in busy], timeout=max(0.0, nearest - time.monotonic()))
+            ready = wait([w.inbox for w in busy],
+                         timeout=min(POLL_S, max(0.0, nearest - time.monotonic())))
+            self.stop_check()
             for w in busy:
                 if w.inbox in ready:
-                    try:
-                        index, (outcome, payload) = w.inbox.recv()
-                    except EOFError:
-                        message = f"reward worker died (exit code {w.exit_code()})"
-                        self._record(result, w.index, "error", message)
-                        self._replace(w)
-                    else:
-                        self._record(result, index, outcome, payload)
-                        w.index, w.deadline = None, math.inf
-                    remaining -= 1
+                    remaining -= self._collect(w, result)
                 elif time.monotonic() >= w.deadline:
                     message = f"no answer within {self.timeout_s} s; worker killed and replaced"
                     self._record(result, w.index, "timeout", message)
-                    self._replace(w)
+                    self._replace(w, result)
                     remaining -= 1
 
+    def _collect(self, w: _Worker, result: RewardResult) -> int:
+        """Record the answer of a worker whose pipe is readable; 1 (one call done)."""
+        try:
+            answer = receive(w.inbox)
+        except EOFError:
+            message = f"reward worker died (exit code {w.exit_code()})"
+            self._record(result, w.index, "error", message)
+            self._replace(w, result)
+        else:
+            self._record(result, answer["index"], answer["outcome"], answer["value"])
+            w.index, w.deadline = None, math.inf
+        return 1
+
     def close(self) -> None:
-        """Stop the workers (politely, then by force after 5 s). Safe to call twice."""
+        """Stop the workers: idle ones politely (by force after 5 s), busy ones at once.
+        Safe to call twice."""
         if self._closed:
             return
         self._closed = True
+        asked = []
         for w in self._workers:
             if w.process.poll() is None and w.index is None:
                 try:
-                    w.outbox.send(None)
+                    send(w.outbox, None)
+                    asked.append(w)
                 except (BrokenPipeError, OSError):
                     pass
         for w in self._workers:
-            try:
-                w.process.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                pass
+            if w in asked:
+                try:
+                    w.process.wait(timeout=5.0)
+                except subprocess.TimeoutExpired:
+                    pass
             w.kill()
 
     def __enter__(self) -> "RewardRunner":

@@ -3,20 +3,27 @@
 Started by `RewardRunner` as a fresh interpreter (never a fork: safe when the parent has torch
 and its thread pools loaded, and unlike multiprocessing's spawn/forkserver it never re-imports
 the parent's `__main__`, so a script that calls `qarl.train()` without an
-`if __name__ == "__main__"` guard still works). Protocol over two pipes, pickled by
-`multiprocessing.connection.Connection`:
+`if __name__ == "__main__"` guard still works). Protocol over two pipes, one JSON document
+per message (`send` / `receive`: length-prefixed bytes, never pickles, so nothing a reward
+returns is ever unpickled by the trainer):
 
-    parent -> worker   (spec, sys_path)            once, first
-    worker -> parent   ("ready", None) | ("init_error", message)
-    parent -> worker   (index, (prompt, completion, fields)) ... and None to stop
-    worker -> parent   (index, (outcome, reward or message))
+    parent -> worker   {"spec": ..., "sys_path": [...]}       once, first
+    worker -> parent   {"ready": true} | {"init_error": message}
+    parent -> worker   {"index": i, "prompt": ..., "completion": ..., "fields": {...}} ...
+                       and null to stop
+    worker -> parent   {"index": i, "outcome": ..., "value": reward or message}
 
-The worker exits when told to, or when the parent goes away (its pipe closes).
+Reward fields are JSON values: a call whose fields are not (`encode_call` raises) is an
+`error` outcome before it reaches a worker. The worker ignores SIGINT (a Ctrl-C reaches the
+whole process group; the parent decides) and exits when told to or when the parent goes away
+(its pipe closes).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -33,6 +40,22 @@ def describe(exc: BaseException) -> str:
         last = frames[-1]
         text += f" (at {last.filename}:{last.lineno} in {last.name})"
     return text
+
+
+def send(conn: Connection, message: Any) -> None:
+    conn.send_bytes(json.dumps(message).encode())
+
+
+def receive(conn: Connection) -> Any:
+    """The next message; EOFError once the other end has closed."""
+    return json.loads(conn.recv_bytes())
+
+
+def encode_call(index: int, prompt: str, completion: str, fields: dict[str, Any]) -> bytes:
+    """A call as the message sent to a worker; TypeError / ValueError when a field is not a
+    JSON value."""
+    return json.dumps({"index": index, "prompt": prompt, "completion": completion,
+                       "fields": fields}).encode()
 
 
 def score_one(fn: Any, prompt: str, completion: str, fields: dict[str, Any]) -> tuple[str, Any]:
@@ -52,28 +75,29 @@ def score_one(fn: Any, prompt: str, completion: str, fields: dict[str, Any]) -> 
 
 
 def serve(inbox: Connection, outbox: Connection) -> None:
-    """Load the reward named by the first message, report, then answer calls until None."""
-    spec, parent_sys_path = inbox.recv()
-    sys.path[:] = parent_sys_path  # what a user's "module:function" was written against
+    """Load the reward named by the first message, report, then answer calls until null."""
+    first = receive(inbox)
+    sys.path[:] = first["sys_path"]  # what a user's "module:function" was written against
     try:
-        fn = load_reward(spec)
+        fn = load_reward(first["spec"])
     except Exception as e:
-        outbox.send(("init_error", describe(e)))
+        send(outbox, {"init_error": describe(e)})
         return
-    outbox.send(("ready", None))
+    send(outbox, {"ready": True})
     while True:
         try:
-            job = inbox.recv()
+            job = receive(inbox)
         except EOFError:  # the parent is gone
             return
         if job is None:
             return
-        index, (prompt, completion, fields) = job
-        outbox.send((index, score_one(fn, prompt, completion, fields)))
+        outcome, value = score_one(fn, job["prompt"], job["completion"], job["fields"])
+        send(outbox, {"index": job["index"], "outcome": outcome, "value": value})
 
 
 def serve_fds(read_fd: int, write_fd: int) -> None:
     """`serve` over two inherited pipe file descriptors."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve(Connection(read_fd, writable=False), Connection(write_fd, readable=False))
 
 

@@ -1,21 +1,36 @@
-"""Checkpoints: master weights, optimizer state and the step, with no pickles.
+"""Checkpoints: complete or ignored, with no pickles.
 
-A checkpoint is a folder `step_000012/` holding `model.safetensors` (the master weights; a
-tied weight is stored once), `optimizer.safetensors` (every tensor of every optimizer's state,
-flattened to names `<optimizer>.<param id>.<key>`) and `state.json` (the step; the caller's
-`state` dict, which for the trainer is the wall-clock `time` of the save; per optimizer, its
-param groups and non-tensor per-parameter state). Nothing else is saved: no RNG state and no
-data cursor, because the trainer derives each step's prompts and sampling seed from
-(run.seed, step). A run folder keeps the newest `keep` checkpoints; `latest(run_dir)` finds
-the one to resume from. Writes go to a temporary folder renamed into place, so a run killed
-mid-save never leaves a half checkpoint.
+A checkpoint is a folder `step_000012/` (12 steps done) holding
+- `model.safetensors`: the master weights (a tied weight is stored once);
+- `optimizer.safetensors`: every tensor of every optimizer's state, named
+  `<optimizer>.<param id>.<key>`;
+- `rng.safetensors`: the global torch RNG state (`torch`) and each CUDA device's (`cuda.<i>`);
+- `state.json`: the step, the trainer's own state (e.g. the count of bad steps in a row), the
+  Python `random` state, and per optimizer its param groups (learning rate included) and
+  non-tensor per-parameter state;
+- `config.toml`: the resolved config the steps were taken with;
+- `metrics.jsonl`: the run's metrics file as it was at the save (when the run keeps one).
+
+What needs no saving, because it is a pure function of (run.seed, step): the data cursor (a
+step's prompts, `phases.train_examples`), the engine's sampling generator (seeded per step),
+the learning-rate schedule (`optim.learning_rate`).
+
+Writing (`save`): every file goes to `.tmp_step_000012/` and is fsynced; the folder is
+fsynced, renamed to `step_000012/`, the run folder fsynced; then the `latest` pointer (a
+one-line file naming the folder) is replaced atomically the same way; last, checkpoints
+beyond the newest `keep` (and any past this step: a killed run's future, redone now) are
+renamed away and deleted. A process killed at any point leaves
+`latest` naming a complete checkpoint (or none yet): `latest(run_dir)` follows the pointer and
+falls back to the newest complete folder.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +39,33 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 PREFIX = "step_"
+POINTER = "latest"
+FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json",
+         "config.toml")
+METRICS = "metrics.jsonl"
+
+
+@dataclass
+class RngState:
+    """Every global random state a step could draw from."""
+
+    torch_cpu: torch.Tensor  # [5056] uint8, torch.get_rng_state()
+    cuda: list[torch.Tensor]  # one uint8 state per CUDA device (empty when CUDA is unused)
+    python: list  # random.getstate() as JSON: [version, [625 ints], gauss_next]
+
+
+def capture_rng() -> RngState:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    version, internal, gauss = random.getstate()
+    return RngState(torch.get_rng_state(), cuda, [version, list(internal), gauss])
+
+
+def restore_rng(rng: RngState) -> None:
+    torch.set_rng_state(rng.torch_cpu)
+    if rng.cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng.cuda)
+    version, internal, gauss = rng.python
+    random.setstate((version, tuple(internal), gauss))
 
 
 def _flatten_optimizer(optimizers: list[torch.optim.Optimizer]) -> tuple[dict, list]:
@@ -51,15 +93,13 @@ def _unflatten_optimizer(optimizers, tensors: dict, scalars: list) -> None:
                 state.setdefault(int(pid), {})[key] = value
         for pid, values in meta["scalars"].items():
             state.setdefault(int(pid), {}).update(values)
-        opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        # JSON has no tuples: give back the ones the optimizer holds (e.g. AdamW's betas).
+        groups = [{k: tuple(v) if isinstance(current.get(k), tuple) else v for k, v in saved.items()}
+                  for saved, current in zip(meta["param_groups"], opt.param_groups)]
+        opt.load_state_dict({"state": state, "param_groups": groups})
 
 
-def save(run_dir: Path, step: int, model: nn.Module, optimizers, state: dict, keep: int = 2) -> Path:
-    run_dir = Path(run_dir)
-    final = run_dir / f"{PREFIX}{step:06d}"
-    tmp = run_dir / f".tmp_{PREFIX}{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+def _master_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     weights = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters()}
     # Tied weights are one tensor under two names; safetensors refuses shared storage.
     seen: dict[int, str] = {}
@@ -68,26 +108,99 @@ def save(run_dir: Path, step: int, model: nn.Module, optimizers, state: dict, ke
         if ptr in seen:
             del weights[name]
         seen.setdefault(ptr, name)
-    save_file(weights, tmp / "model.safetensors")
+    return weights
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's or a folder's entry to disk (a folder: the names it holds)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _discard(folder: Path) -> None:
+    """Delete a folder so that no reader ever sees it half-deleted: rename it away first."""
+    trash = folder.with_name(f".trash_{folder.name}")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(folder, trash)
+    shutil.rmtree(trash)
+
+
+def _write_files(tmp: Path, step: int, model, optimizers, state: dict, rng: RngState,
+                 config_toml: str, metrics: Path) -> None:
+    save_file(_master_weights(model), tmp / "model.safetensors")
     opt_tensors, opt_scalars = _flatten_optimizer(optimizers)
     save_file(opt_tensors, tmp / "optimizer.safetensors")
-    (tmp / "state.json").write_text(json.dumps({**state, "step": step, "optimizers": opt_scalars}, indent=1))
-    shutil.rmtree(final, ignore_errors=True)
+    save_file({"torch": rng.torch_cpu, **{f"cuda.{i}": s for i, s in enumerate(rng.cuda)}},
+              tmp / "rng.safetensors")
+    (tmp / "config.toml").write_text(config_toml)
+    if metrics.exists():
+        shutil.copyfile(metrics, tmp / METRICS)
+    state = {**state, "step": step, "python_random": rng.python, "optimizers": opt_scalars}
+    (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    for path in tmp.iterdir():
+        _fsync(path)
+    _fsync(tmp)
+
+
+def step_folder(run_dir: Path, step: int) -> Path:
+    """Where checkpoint `step` of a run lives."""
+    return Path(run_dir) / f"{PREFIX}{step:06d}"
+
+
+def save(run_dir: Path, step: int, model: nn.Module, optimizers, state: dict, rng: RngState,
+         config_toml: str, keep: int) -> Path:
+    """Write checkpoint `step` of run_dir (see the module docstring), point `latest` at it,
+    keep the newest `keep`. `state`: the trainer's JSON-able state."""
+    run_dir = Path(run_dir)
+    final = step_folder(run_dir, step)
+    tmp = run_dir / f".tmp_{final.name}"
+    for junk in [tmp, *run_dir.glob(".trash_*")]:  # left by a process killed mid-save
+        shutil.rmtree(junk, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    _write_files(tmp, step, model, optimizers, state, rng, config_toml, run_dir / METRICS)
+    if final.exists():  # a step redone after a resume from an older pointer
+        _discard(final)
     os.replace(tmp, final)
-    for old in sorted(run_dir.glob(f"{PREFIX}*"))[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+    _fsync(run_dir)
+    pointer_tmp = run_dir / f".tmp_{POINTER}"
+    pointer_tmp.write_text(final.name + "\n")
+    _fsync(pointer_tmp)
+    os.replace(pointer_tmp, run_dir / POINTER)
+    _fsync(run_dir)
+    # Folders past this step are a killed run's future, which this run redoes.
+    kept = [f for f in _complete(run_dir) if f.name <= final.name][-keep:]
+    for old in sorted(run_dir.glob(f"{PREFIX}*")):
+        if old not in kept:
+            _discard(old)
     return final
 
 
-def clear(run_dir: Path) -> None:
-    """Remove every checkpoint of a run folder (a run that starts over)."""
-    for old in Path(run_dir).glob(f"{PREFIX}*"):
-        shutil.rmtree(old, ignore_errors=True)
+def _complete(run_dir: Path) -> list[Path]:
+    """Checkpoint folders with every file, oldest first."""
+    found = sorted(Path(run_dir).glob(f"{PREFIX}*")) if Path(run_dir).exists() else []
+    return [f for f in found if all((f / name).is_file() for name in FILES)]
 
 
 def latest(run_dir: Path) -> Path | None:
-    found = sorted(Path(run_dir).glob(f"{PREFIX}*")) if Path(run_dir).exists() else []
-    return found[-1] if found else None
+    """The checkpoint to resume from: the one `latest` names, else the newest complete one."""
+    run_dir = Path(run_dir)
+    complete = _complete(run_dir)
+    pointer = run_dir / POINTER
+    if pointer.is_file():
+        named = run_dir / pointer.read_text().strip()
+        if named in complete:
+            return named
+    return complete[-1] if complete else None
+
+
+def clear(run_dir: Path) -> None:
+    """Remove every checkpoint of a run folder and its pointer (a run that starts over)."""
+    for old in Path(run_dir).glob(f"{PREFIX}*"):
+        _discard(old)
+    (Path(run_dir) / POINTER).unlink(missing_ok=True)
 
 
 def load_weights(folder: Path, model: nn.Module) -> None:
@@ -105,10 +218,25 @@ def load_weights(folder: Path, model: nn.Module) -> None:
         )
 
 
-def load(folder: Path, model: nn.Module, optimizers) -> dict:
-    """Restore master weights and optimizer state in place; return the trainer state."""
+def load(folder: Path, model: nn.Module, optimizers) -> tuple[dict, RngState]:
+    """Restore master weights and optimizer state in place; return the trainer state (the
+    step included) and the RNG state saved with them (restore it with `restore_rng`)."""
     folder = Path(folder)
     load_weights(folder, model)
     state = json.loads((folder / "state.json").read_text())
     _unflatten_optimizer(optimizers, load_file(folder / "optimizer.safetensors"), state.pop("optimizers"))
-    return state
+    saved = load_file(folder / "rng.safetensors")
+    cuda = [saved[f"cuda.{i}"] for i in range(len(saved) - 1)]
+    return state, RngState(saved["torch"], cuda, state.pop("python_random"))
+
+
+def restore_metrics(folder: Path, run_dir: Path) -> None:
+    """Put back the run's metrics file as it was when checkpoint `folder` was saved: rows a
+    killed run wrote after it are dropped (the resumed run writes them again)."""
+    saved, target = Path(folder) / METRICS, Path(run_dir) / METRICS
+    if saved.exists():
+        tmp = target.with_name(f".tmp_{METRICS}")
+        shutil.copyfile(saved, tmp)
+        os.replace(tmp, target)
+    else:
+        target.unlink(missing_ok=True)

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from qarl.report import read_metrics
 
 # Figures shown on the progress bar: metric key -> short label.
 PROGRESS_FIGURES = {
@@ -30,13 +29,14 @@ def _plain(value: Any) -> Any:
 
 
 class MetricsLogger:
+    """Appends one row per log() call; `start_step` places the progress bar of a resumed run
+    (the trainer restores the file itself: qarl.train.checkpoint.restore_metrics)."""
+
     def __init__(self, run_dir: Path, total_steps: int, progress: bool = True,
                  tensorboard: bool | str = "auto", jsonl: bool = True, start_step: int = 0):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.jsonl = jsonl
-        if self.path.exists():
-            self._drop_rows_after(start_step)
         self.writer = None
         want_tb = tensorboard is True or (
             tensorboard == "auto" and importlib.util.find_spec("tensorboard") is not None
@@ -51,12 +51,6 @@ class MetricsLogger:
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                             file=sys.stderr, dynamic_ncols=True)
-
-    def _drop_rows_after(self, step: int) -> None:
-        """Rows past the checkpoint a run (re)starts from belong to work it will redo: drop
-        them, so a resumed run's file reads as if it had never stopped (step 0: start over)."""
-        keep = [r for r in read_metrics(self.path) if step > 0 and r["step"] <= step]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
 
     def log(self, step: int, metrics: dict[str, Any], kind: str = "train") -> None:
         row = {"step": step, "kind": kind, **{k: _plain(v) for k, v in metrics.items()}}

@@ -8,6 +8,7 @@ dict of floats keyed `group/name`.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from contextlib import contextmanager
@@ -85,6 +86,7 @@ def reward_metrics(result: RewardResult) -> dict[str, float]:
     metrics = {f"reward/{k}": v / n for k, v in result.counts.items()}
     metrics["reward/mean"] = sum(scored) / len(scored) if scored else float("nan")
     metrics["reward/accuracy"] = sum(r >= 1.0 for r in scored) / n
+    metrics["reward/workers_replaced"] = float(result.workers_replaced)
     return metrics
 
 
@@ -124,11 +126,18 @@ def update_policy(policy: Policy, optimizers: list[torch.optim.Optimizer], exp: 
     The loss is aggregated with counts of the WHOLE batch (global_counts), so how the batch
     is split into micro-batches does not change the update. logp takes its value from the
     engine's decode path and its gradient from the fast forward (aligned_logprobs).
+    Guards: no advantage to learn from (every one 0) is a no-op (`guard/no_signal`); a
+    non-finite loss or gradient drops the epoch's step and ends the update
+    (`guard/nonfinite`): weights and optimizer state stay as they were.
     """
-    correction, params = loss_setup(algo, exp)
     lr = learning_rate(step, train.steps, train.lr, train.min_lr, train.warmup_steps, train.lr_schedule)
+    if not bool(exp.advantages[exp.rows].any()):
+        # Every loss is advantage-weighted: its gradient is exactly 0, so nothing to compute.
+        return {"policy/lr": lr, "guard/no_signal": 1.0, "guard/nonfinite": 0.0,
+                "policy/skipped_steps": 0.0}
+    correction, params = loss_setup(algo, exp)
     set_learning_rate(optimizers, lr)
-    totals: dict[str, float] = {}
+    totals: dict[str, float] = {"guard/no_signal": 0.0, "guard/nonfinite": 0.0}
     skipped = 0
     policy.learner.train()
     for epoch in range(algo.epochs):
@@ -137,15 +146,17 @@ def update_policy(policy: Policy, optimizers: list[torch.optim.Optimizer], exp: 
         # activation quantizers amplify that to ~0.1 nats). In epoch 0 the learner is still
         # the policy that old_logp replayed; later epochs replay once with the updated weights.
         exact = exp.old_logp if epoch == 0 else policy.replay(exp.batch, exp.sampling)
-        entropy = accumulate_gradients(policy.learner, exp, exact, algo, correction, params,
-                                       train.micro_batch_size, totals)
+        entropy_sum, entropy_count, finite = accumulate_gradients(
+            policy.learner, exp, exact, algo, correction, params, train.micro_batch_size, totals)
         if epoch == 0:
-            entropy_sum, entropy_count = entropy
-        grad_norm = optimizer_step(policy.learner, optimizers, train.grad_clip)
-        skipped += grad_norm == 0
+            totals["policy/entropy"] = entropy_sum / max(1, entropy_count)
+        grad_norm, outcome = optimizer_step(policy.learner, optimizers, train.grad_clip, finite)
+        skipped += outcome == "zero"
+        if outcome == "nonfinite":
+            totals["guard/nonfinite"] = 1.0
+            break
     policy.learner.eval()
     totals.update(metrics_to_floats({f"correction/{k}": v for k, v in correction.metrics.items()}))
-    totals["policy/entropy"] = entropy_sum / max(1, entropy_count)
     totals["policy/grad_norm"] = grad_norm
     totals["policy/lr"] = lr
     totals["policy/skipped_steps"] = skipped
@@ -154,9 +165,10 @@ def update_policy(policy: Policy, optimizers: list[torch.optim.Optimizer], exp: 
 
 def accumulate_gradients(learner, exp: Experience, exact: Tensor, algo: AlgoSection,
                          correction: Correction, params: dict, micro_batch_size: int,
-                         totals: dict[str, float]) -> tuple[float, int]:
+                         totals: dict[str, float]) -> tuple[float, int, bool]:
     """One epoch's backward passes, micro-batch by micro-batch; adds each loss metric (weighted
-    by its share of the rows and epochs) to `totals`. Returns (entropy sum, response tokens)."""
+    by its share of the rows and epochs) to `totals`. Returns (entropy sum, response tokens,
+    every loss finite); stops at the first non-finite loss."""
     batch, N = exp.batch, exp.batch.num_sequences
     entropy_sum, entropy_count = 0.0, 0
     for start in range(0, N, micro_batch_size):
@@ -168,26 +180,35 @@ def accumulate_gradients(learner, exp: Experience, exact: Tensor, algo: AlgoSect
             logp, exp.old_logp[idx], sub.rollout_logp, exp.advantages[idx], correction.mask[idx],
             is_weights=correction.weights[idx], **params,
         )
-        loss.backward()
         share = len(idx) / N / algo.epochs
         for key, value in metrics_to_floats(metrics).items():
             totals[f"loss/{key}"] = totals.get(f"loss/{key}", 0.0) + share * value
+        if not bool(torch.isfinite(loss)):
+            return entropy_sum, entropy_count, False
+        loss.backward()
         entropy_sum += float((entropy * sub.response_mask).sum())
         entropy_count += int(sub.response_mask.sum())
-    return entropy_sum, entropy_count
+    return entropy_sum, entropy_count, True
 
 
-def optimizer_step(learner, optimizers: list[torch.optim.Optimizer], grad_clip: float) -> float:
-    """Clip, step and clear the gradients; return the gradient norm before clipping. No
-    learning signal (every group's rewards equal, or every row masked): the step is skipped,
-    or Adam's momentum alone would keep moving the weights."""
+def optimizer_step(learner, optimizers: list[torch.optim.Optimizer], grad_clip: float,
+                   loss_finite: bool = True) -> tuple[float, str]:
+    """Clip, step and clear the gradients; return the gradient norm before clipping and what
+    happened: "stepped"; "nonfinite" (a loss or the gradient was not finite: no step, the
+    weights and the optimizer's moments stay as they were); "zero" (no learning signal, e.g.
+    every row masked: no step, or Adam's momentum alone would keep moving the weights)."""
     grad_norm = clip_gradients(learner, grad_clip)
-    if grad_norm > 0:
+    if not loss_finite or not math.isfinite(grad_norm):
+        outcome = "nonfinite"
+    elif grad_norm == 0:
+        outcome = "zero"
+    else:
+        outcome = "stepped"
         for opt in optimizers:
             opt.step()
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
-    return grad_norm
+    return grad_norm, outcome
 
 
 def clip_gradients(model, max_norm: float) -> float:

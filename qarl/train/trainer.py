@@ -5,7 +5,10 @@ responses per prompt with the quantized weights -> rewards (worker processes, de
 group advantages -> old_logp from the aligned learner (the engine's own decode path replayed
 with the sampled tokens: exact on CPU) -> K epochs of micro-batched updates with the
 configured loss and rollout correction -> the master weights are quantized once and pushed to
-the engine. The loop (`train`) adds resume, evaluation, logging and checkpoints.
+the engine. The loop (`train`) adds resume, evaluation, logging, checkpoints and the guards:
+a stop signal is honoured only before a step's update (`check_stop`), so a stopped run saves
+the checkpoint of its finished steps; a non-finite update is skipped and counted
+(`guards.BadStepGuard`); out of memory ends the run with the settings to lower.
 """
 
 from __future__ import annotations
@@ -17,37 +20,46 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from qarl.config import RunConfig, load_config
+from qarl.config import RunConfig, load_config, to_toml
 from qarl.train import checkpoint
 from qarl.train.evaluate import evaluate
+from qarl.train.guards import (
+    BadStepGuard, RunStopped, TrainingAborted, is_out_of_memory, out_of_memory_message,
+)
 from qarl.train.metrics import MetricsLogger
 from qarl.train.optim import build_optimizer
 from qarl.train.phases import (
     Experience, PhaseTimer, compute_advantages, reward_metrics, sample_metrics, score_responses,
     train_examples, update_policy,
 )
+from qarl.train.resume import resume_point
 from qarl.train.setup import Data, Policy, open_run, sampling_params
 from qarl.train.sft import warm_start
+from qarl.train.signals import StopRequested, check_stop, stop_on_signals
 from qarl.train.summary import finish_run
 
 
 def rl_step(policy: Policy, data: Data, optimizers: list[torch.optim.Optimizer],
             config: RunConfig, step: int) -> dict[str, float]:
     """One RL step (0-based `step`): sample, score, update the learner, push it to the engine.
-    Returns the step's metrics (docs/training.md, "What a run logs")."""
+    Returns the step's metrics (docs/training.md, "What a run logs"). A stop signal ends it
+    (StopRequested) only before the update starts: after, the step runs to its end."""
     timer = PhaseTimer()
     G, seed = config.rollout.group_size, config.run.seed
     sampling = sampling_params(config.rollout)
     examples = train_examples(data.task, seed, step, config.rollout.batch_size // G)
     prompt_ids = [ids for ids in data.prompts.encode_prompts(examples) for _ in range(G)]
+    check_stop()
     with timer("generate"):
         batch = policy.engine.generate(prompt_ids, sampling, seed=seed * 100_003 + step)
     with timer("reward"):
         scored, completions = score_responses(data, examples, batch, G)
     advantages, rows, group_metrics = compute_advantages(scored.rewards, batch, config.algo, G)
+    check_stop()
     with timer("old_logp"):
         old_logp = policy.replay(batch, sampling)
     exp = Experience(batch, sampling, old_logp, advantages, rows)
+    check_stop()
     with timer("update"):
         update = update_policy(policy, optimizers, exp, config.algo, config.train, step)
     with timer("sync"):
@@ -64,40 +76,97 @@ def rl_step(policy: Policy, data: Data, optimizers: list[torch.optim.Optimizer],
 
 def train(recipe: str | Path | Mapping | RunConfig | None = None,
           overrides: Mapping[str, Any] | Sequence[str] | None = None) -> dict[str, Any]:
-    """Run RL training; return the summary (also written to run_dir/summary.json)."""
+    """Run RL training; return the summary (also written to run_dir/summary.json).
+
+    Raises RunStopped after SIGTERM / SIGINT (a checkpoint of the finished steps saved),
+    TrainingAborted when the run cannot go on (bad steps in a row, out of memory)."""
     config = load_config(recipe, overrides)  # every problem reported before any work starts
-    with open_run(config, learner=warm_start(config)) as (folder, policy, data):
-        run_dir, steps = folder.path, config.train.steps
+    resume_from = resume_point(config)  # a recipe that does not fit the checkpoint fails here
+    with stop_on_signals(), open_run(config, learner=warm_start(config)) as (folder, policy, data):
+        policy.engine.stop_check = data.rewards.stop_check = check_stop
         optimizers = build_optimizer(policy.learner, config.train.optimizer, config.train.lr,
                                      config.train.weight_decay, tuple(config.train.betas))
-        start_step = 0
-        resumed = checkpoint.latest(run_dir) if config.run.resume else None
-        if resumed is not None:
-            start_step = checkpoint.load(resumed, policy.learner, optimizers)["step"]
-        else:
-            checkpoint.clear(run_dir)  # starting over: an old run's checkpoints must not linger
-        policy.sync.push()  # the engine decodes with the learner's current (possibly resumed) codes
-        log = MetricsLogger(run_dir, steps, progress=config.log.progress,
-                            tensorboard=config.log.tensorboard, jsonl=config.log.jsonl,
-                            start_step=start_step)
-        if resumed is not None:
-            log.write(f"resumed from {resumed} at step {start_step}")
-        before = evaluate(policy, data, config) if start_step == 0 else None
-        if before is not None:
-            log.log(0, before, kind="eval")
-
-        for step in range(start_step, steps):
-            log.log(step + 1, rl_step(policy, data, optimizers, config, step))
-            every = config.train.checkpoint_every
-            if (every and (step + 1) % every == 0) or step + 1 == steps:
-                checkpoint.save(run_dir, step + 1, policy.learner, optimizers,
-                                {"time": time.time()}, keep=config.train.keep_checkpoints)
-            if config.eval.every and (step + 1) % config.eval.every == 0 and step + 1 < steps:
-                log.log(step + 1, evaluate(policy, data, config), kind="eval")
-
-        after = evaluate(policy, data, config)
-        log.log(steps, after, kind="eval")
-        log.close()
-        summary = finish_run(run_dir, config.log, before, after)
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        loop = Loop(config, folder.path, policy, data, optimizers)
+        loop.start(resume_from)
+        try:
+            before, after = loop.run()
+        finally:
+            loop.log.close()
+        summary = finish_run(folder.path, config.log, before, after)
+        (folder.path / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
+
+
+class Loop:
+    """The steps of one run with what they carry between them: the steps done, the global RNG
+    state at that point, the last checkpoint, the bad-step count, the metrics log."""
+
+    def __init__(self, config: RunConfig, run_dir: Path, policy: Policy, data: Data,
+                 optimizers: list[torch.optim.Optimizer]):
+        self.config, self.run_dir, self.policy, self.data = config, run_dir, policy, data
+        self.optimizers = optimizers
+        self.guard = BadStepGuard(config.train.max_bad_steps)
+        self.done, self.saved = 0, None  # steps finished; the newest checkpoint, if any
+
+    def start(self, resume_from: Path | None) -> None:
+        """Restore the checkpoint (weights, optimizer, RNG, metrics so far) or start over."""
+        if resume_from is None:
+            checkpoint.clear(self.run_dir)  # starting over: an old run's files must not linger
+            (self.run_dir / checkpoint.METRICS).unlink(missing_ok=True)
+        else:
+            state, rng = checkpoint.load(resume_from, self.policy.learner, self.optimizers)
+            checkpoint.restore_metrics(resume_from, self.run_dir)
+            checkpoint.restore_rng(rng)
+            self.done, self.saved = state["step"], resume_from
+            self.guard.in_a_row = state["bad_steps"]
+        self.policy.sync.push()  # the engine decodes with the learner's current codes
+        log = self.config.log
+        self.log = MetricsLogger(self.run_dir, self.config.train.steps, progress=log.progress,
+                                 tensorboard=log.tensorboard, jsonl=log.jsonl, start_step=self.done)
+        if resume_from is not None:
+            self.log.write(f"resumed from {resume_from} at step {self.done}")
+        self.rng = checkpoint.capture_rng()  # the state a checkpoint of `done` steps holds
+
+    def run(self) -> tuple[dict | None, dict]:
+        """Evaluate, take the remaining steps, evaluate; (before, after) eval metrics."""
+        config, steps = self.config, self.config.train.steps
+        try:
+            before = self.evaluate() if self.done == 0 else None
+            if self.eval_due():  # a resumed run redoes the eval its checkpoint came before
+                self.evaluate()
+            for step in range(self.done, steps):
+                metrics = rl_step(self.policy, self.data, self.optimizers, config, step)
+                self.log.log(step + 1, metrics)
+                self.done, self.rng = step + 1, checkpoint.capture_rng()
+                self.guard.update(self.done, metrics, self.saved)
+                every = config.train.checkpoint_every
+                if (every and self.done % every == 0) or self.done == steps:
+                    self.save()
+                if self.eval_due():
+                    self.evaluate()
+                check_stop()
+            return before, self.evaluate()
+        except StopRequested as stop:
+            if self.saved != checkpoint.step_folder(self.run_dir, self.done):
+                self.save()
+            raise RunStopped(stop.signum, self.saved, self.run_dir) from None
+        except RuntimeError as err:
+            if is_out_of_memory(err):
+                raise TrainingAborted(out_of_memory_message(
+                    err, config, self.done, self.run_dir, self.saved)) from err
+            raise
+
+    def eval_due(self) -> bool:
+        every = self.config.eval.every
+        return bool(every) and self.done % every == 0 and 0 < self.done < self.config.train.steps
+
+    def evaluate(self) -> dict[str, float]:
+        metrics = evaluate(self.policy, self.data, self.config)
+        self.log.log(self.done, metrics, kind="eval")
+        return metrics
+
+    def save(self) -> None:
+        train = self.config.train
+        state = {"time": time.time(), "bad_steps": self.guard.in_a_row}
+        self.saved = checkpoint.save(self.run_dir, self.done, self.policy.learner, self.optimizers,
+                                     state, self.rng, to_toml(self.config), train.keep_checkpoints)

@@ -60,3 +60,12 @@ def test_overlong_penalty_zones():
     assert overlong_penalty([10, 11], l_max=10, l_cache=0).tolist() == [0.0, -1.0]
     with pytest.raises(ValueError, match="l_cache"):
         overlong_penalty([1], l_max=4, l_cache=5)
+
+
+@pytest.mark.parametrize("mode", ["grpo", "dr_grpo"])
+def test_all_unscorable_group_gets_zero_advantage(mode):
+    """A group whose rewards are all None (every call failed or was unscorable) gets
+    advantages exactly 0, never NaN, and does not disturb the other group."""
+    adv, info = group_advantages([None] * 4 + [1.0, 0.0, 0.0, 0.0], group_size=4, mode=mode)
+    assert torch.equal(adv[:4], torch.zeros(4)) and not adv.isnan().any()
+    assert info.all_equal.tolist() == [True, False] and info.mean[0].item() == 0.0

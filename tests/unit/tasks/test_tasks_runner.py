@@ -127,11 +127,52 @@ def test_works_from_a_script_without_a_main_guard(tmp_path):
     assert out.stdout.strip() == "[1.0]"
 
 
-def test_an_interrupted_batch_does_not_leak_into_the_next(user_module):
-    """If score() raises mid-batch (here: an unpicklable field), the next batch gets only its
-    own answers: the worker left busy is replaced."""
+class _Stop(Exception):
+    pass
+
+
+def _stop_after(seconds):
+    """A stop_check that raises once `seconds` have passed."""
+    deadline = time.monotonic() + seconds
+
+    def check():
+        if time.monotonic() > deadline:
+            raise _Stop()
+
+    return check
+
+
+def test_a_stopped_batch_ends_at_once_and_does_not_leak_into_the_next(user_module):
+    """A stop_check that raises while a reward hangs ends score() within a few polls (not at
+    the call's deadline); the next batch gets only its own answers (the worker left busy is
+    replaced), and close() does not wait for a busy worker."""
+    runner = RewardRunner(f"{user_module}:reward", num_workers=1, timeout_s=30)
+    runner.stop_check = _stop_after(0.3)
+    start = time.monotonic()
+    with pytest.raises(_Stop):
+        runner.score(_calls("hang", "ok"))
+    assert time.monotonic() - start < 2.0
+    runner.stop_check = lambda: None
+    result = runner.score(_calls("ok", "none"))
+    assert result.outcomes == ["ok", "unscorable"] and result.rewards == [3.0, None]
+    assert result.workers_replaced == 0 and runner.workers_replaced == 1
+    runner.stop_check = _stop_after(0.3)
+    with pytest.raises(_Stop):
+        runner.score(_calls("hang"))
+    start = time.monotonic()
+    runner.close()
+    assert time.monotonic() - start < 2.0
+
+
+def test_fields_travel_as_json(user_module):
+    """Calls and answers cross the pipe as JSON: a call whose fields are not JSON values is
+    an `error` outcome that names the problem (in worker and inline mode alike), the other
+    calls of the batch are scored, and a batch counts the workers it replaced."""
+    bad = ("p", "abc", {"behavior": "ok", "when": object()})
+    for workers in (1, 0):
+        with RewardRunner(f"{user_module}:reward", num_workers=workers, timeout_s=5) as runner:
+            result = runner.score([bad, *_calls("ok")])
+            assert result.outcomes == ["error", "ok"] and result.rewards == [None, 3.0]
+            assert "not JSON values" in result.errors[0]
     with RewardRunner(f"{user_module}:reward", num_workers=1, timeout_s=5) as runner:
-        with pytest.raises(Exception):
-            runner.score([("p", "abc", {"behavior": "ok", "bad": lambda: 0})])
-        result = runner.score(_calls("ok", "none"))
-        assert result.outcomes == ["ok", "unscorable"] and result.rewards == [3.0, None]
+        assert runner.score(_calls("die", "ok", "die")).workers_replaced == 2

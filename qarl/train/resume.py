@@ -1,0 +1,86 @@
+"""Resuming a run: which checkpoint, with which recipe, and what may change.
+
+A resumed run continues the same run: its recipe must be the one its checkpoint was saved
+with, except for RESUME_FREE keys, which do not change what a step computes (beyond the last
+bits, for train.micro_batch_size) or only say how long to train: `train.steps` (with a
+decaying lr_schedule, the lr of the remaining steps follows the new length). Anything else
+is refused with the differences listed: a run half with one recipe and half with another
+is not the run either recipe describes.
+
+`qarl train --resume RUN_DIR` (`resume_config`) reads RUN_DIR/config.toml, the resolved recipe
+the run started with; `qarl train RECIPE` with run.resume = true (the default) resumes too,
+when the run folder holds a checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from qarl.config import RESOLVED_NAME, ConfigError, Problem, RunConfig, load_config, parse_overrides
+from qarl.train import checkpoint
+
+RESUME_FREE = ("train.steps", "train.micro_batch_size", "train.checkpoint_every",
+               "train.keep_checkpoints", "train.max_bad_steps", "run.output_dir", "run.name",
+               "run.resume", "log.")
+
+
+def _free(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUME_FREE)
+
+
+def _flat(config: RunConfig) -> dict[str, Any]:
+    return {f"{section}.{key}": value for section, values in config.model_dump().items()
+            for key, value in values.items()}
+
+
+def check_resumable(saved: RunConfig, config: RunConfig, folder: Path) -> None:
+    """Raise ConfigError listing every key (other than RESUME_FREE) where `config` differs
+    from `saved`, the config of checkpoint `folder`."""
+    old, new = _flat(saved), _flat(config)
+    problems = [
+        Problem(key, f"is {new.get(key)!r} but the run's checkpoint {folder} was saved with "
+                     f"{old.get(key)!r}")
+        for key in sorted(old.keys() | new.keys()) if not _free(key) and old.get(key) != new.get(key)
+    ]
+    if problems:
+        problems.append(Problem("", "a resumed run keeps its recipe (it may change only "
+                                    f"{', '.join(RESUME_FREE)}*): undo these changes, start over "
+                                    "with --run.resume=false, or give the new recipe its own "
+                                    "--run.name"))
+        raise ConfigError(problems, f"resuming {folder.parent}")
+
+
+def resume_point(config: RunConfig) -> Path | None:
+    """The checkpoint this run continues from (checked against its recipe), or None: no
+    checkpoint yet, or run.resume = false."""
+    run_dir = Path(config.run.output_dir) / config.run.name
+    found = checkpoint.latest(run_dir) if config.run.resume else None
+    if found is not None:
+        check_resumable(load_config(found / "config.toml"), config, found)
+    return found
+
+
+def resume_config(run_dir: str | Path, overrides: Mapping[str, Any] | Sequence[str] | None = None
+                  ) -> RunConfig:
+    """The config that continues the run in `run_dir`: its saved resolved recipe, placed in
+    the folder where it now is, with `overrides` limited to RESUME_FREE keys."""
+    run_dir = Path(run_dir)
+    path = run_dir / RESOLVED_NAME
+    if not path.is_file():
+        raise ConfigError([Problem("", f"{run_dir} holds no {RESOLVED_NAME}, so it is not a run "
+                                       "folder; give the folder `qarl train` printed at the "
+                                       "start of the run (OUTPUT_DIR/NAME)")], "--resume")
+    if overrides is not None and not isinstance(overrides, Mapping):
+        overrides = parse_overrides(list(overrides))
+    overrides = dict(overrides or {})
+    refused = [Problem(key, "cannot change when resuming: " + (
+        "--resume names the run folder" if key.startswith("run.") else
+        f"a resumed run keeps its recipe; only {', '.join(RESUME_FREE[:5])} and log.* may "
+        "change (start a new run for anything else)"))
+        for key in overrides if key.startswith("run.") or not _free(key)]
+    if refused:
+        raise ConfigError(refused, f"--resume {run_dir}")
+    run_dir = run_dir.resolve()
+    location = {"run.output_dir": str(run_dir.parent), "run.name": run_dir.name, "run.resume": True}
+    return load_config(path, {**overrides, **location})

@@ -124,7 +124,7 @@ class LocalEngine:
         linears of layers that run their own forward, the lm_head). Builds a plan for the
         current weights without keeping it, so describing never changes later outputs."""
         with torch.inference_mode():
-            return self._planner.plan(self.model, batch_hint=1, keep=False).paths
+            return self._planner.paths(self.model)
 
     def generate(
         self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int

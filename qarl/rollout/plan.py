@@ -19,7 +19,8 @@ The model object is never modified: no module gets an instance `forward` or a ho
 cached per module with the key they were built from and reused while it matches (see
 `qarl.rollout.prepack`); the plan around them is assembled again on every call (one walk over
 the model's modules), so a layer replaced or quantized since the last call is planned anew.
-`DecodePlan.paths` says, per module name, what runs (`LocalEngine.describe`).
+`DecodePlanner.paths(model)` says, per module name, what runs (`LocalEngine.describe`); it is
+worked out only when asked, never on the generate / score path.
 """
 
 from __future__ import annotations
@@ -61,7 +62,6 @@ class DecodePlan:
     norm: Callable  # [B, T, d] -> [B, T, d]
     lm_head: Callable  # [B, d] -> logits [B, V]
     rope: Callable  # positions [B, T], dtype -> cos, sin [B, 1, T, head_dim]
-    paths: dict[str, str]  # module name -> what runs it
 
     def hidden(self, ids: Tensor, positions: Tensor, cache: KVCache, cache_start: int,
                key_mask: Tensor) -> Tensor:
@@ -83,13 +83,18 @@ class DecodePlanner:
         self.fuse_blocks = fuse_blocks
         self._packs: dict[nn.Module, tuple[tuple | None, object]] = {}
 
-    def plan(self, model: CausalLM, batch_hint: int, keep: bool = True) -> DecodePlan:
+    def plan(self, model: CausalLM, batch_hint: int) -> DecodePlan:
         """The plan for `model`'s current weights; packs first built here are laid out for
-        about `batch_hint` rows (oneDNN only). keep=False leaves the cache as it was."""
+        about `batch_hint` rows (oneDNN only)."""
         packs = self._current_packs(model, batch_hint)
-        if keep:
-            self._packs = packs  # modules no longer packable (e.g. quantized since) are dropped
+        self._packs = packs  # modules no longer packable (e.g. quantized since) are dropped
         return _assemble(model, {module: pack for module, (_, pack) in packs.items()})
+
+    def paths(self, model: CausalLM) -> dict[str, str]:
+        """Module name -> what the next plan runs for it, without keeping any pack built here
+        (so asking never changes later outputs)."""
+        packs = self._current_packs(model, batch_hint=1)
+        return _paths(model, {module: pack for module, (_, pack) in packs.items()})
 
     def _current_packs(self, model: CausalLM, batch_hint: int) -> dict:
         packs: dict[nn.Module, tuple[tuple | None, object]] = {}
@@ -128,7 +133,7 @@ def _assemble(model: CausalLM, packs: dict[nn.Module, object]) -> DecodePlan:
     return DecodePlan(
         embed=_with_packed(body.embed_tokens, linears), steps=tuple(steps),
         norm=_with_packed(body.norm, linears), lm_head=_with_packed(model.lm_head, linears),
-        rope=model.rope, paths=_paths(model, packs),
+        rope=model.rope,
     )
 
 

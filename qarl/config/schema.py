@@ -143,6 +143,13 @@ class RolloutSection(BaseModel):
         "differs from the learner's by design (mismatch that alignment cannot remove).",
     )
     top_k: int = Field(0, ge=0, description="Top-k truncation; 0 = off. Same caveat as top_p.")
+    engine: Literal["local", "vllm"] = Field(
+        "local",
+        description="Rollout engine: 'local' is qarl's own engine in this process; 'vllm' "
+        "serves the policy from vLLM in this process (`pip install 'qarl[vllm]'`, see "
+        "qarl/rollout/README.md), fed qarl's codes in compressed-tensors layout after every "
+        "step. With 'vllm' the learner aligns with quant.align = 'fake' (or runs 'naive').",
+    )
 
 
 class TaskSection(BaseModel):

@@ -145,10 +145,9 @@ class RolloutSection(BaseModel):
     top_k: int = Field(0, ge=0, description="Top-k truncation; 0 = off. Same caveat as top_p.")
     engine: Literal["local", "vllm"] = Field(
         "local",
-        description="Rollout engine: 'local' is qarl's own engine in this process; 'vllm' "
-        "serves the policy from vLLM in this process (`pip install 'qarl[vllm]'`, see "
-        "qarl/rollout/README.md), fed qarl's codes in compressed-tensors layout after every "
-        "step. With 'vllm' the learner aligns with quant.align = 'fake' (or runs 'naive').",
+        description="Rollout engine: 'local' (qarl's own) or 'vllm' (vLLM in this process, "
+        "fed qarl's codes in compressed-tensors layout after every step; needs quant.align "
+        "'fake' or 'naive' and `pip install 'qarl[vllm]'`, see qarl/rollout/README.md).",
     )
 
 

@@ -108,7 +108,8 @@ class VLLMEngine:
         self.eos_token_ids = tuple(
             model.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.pad_token_id = pad_token_id
-        self.max_context = model.config.max_position_embeddings if max_context is None else max_context
+        self.max_context = (model.config.max_position_embeddings if max_context is None
+                            else max_context)
         self.folder = write_policy_folder(model, Path(folder))
         dtype = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
         with _global_rng_kept():

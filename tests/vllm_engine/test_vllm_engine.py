@@ -25,11 +25,16 @@ from qarl.types import FINISH_LENGTH, FINISH_STOP, SamplingParams  # noqa: E402
 
 MODEL = "smollm2-135m"
 SUMS = [(3, 4), (5, 2), (7, 8), (1, 9), (6, 6), (2, 8)]
-# |Δlogp| of vLLM's int8 W8A8 sampler logprobs against qarl's int8 engine and fake learner,
-# on the same codes (measured: see qarl/rollout/README.md, "vLLM engine"). The bound leaves
-# room over the measured figure; identical kernels are not promised.
-INT8_MEAN_BOUND, INT8_MAX_BOUND = 5e-3, 5e-2
-# fp32: the same weights through two fp32 GEMM implementations (oneDNN vs qarl's panels).
+# |Δlogp| of vLLM's int8 W8A8 sampler logprobs against qarl's int8 engine and fake learner on
+# the same codes. Each linear layer of vLLM equals qarl's kernel to ~1e-7 relative, and the
+# fp32 model agrees to ~1e-5; SmolLM2's per-token int8 activation quantizers amplify those
+# last-bit differences of norms / attention (a flipped activation code) into tenths of a nat,
+# as they do between qarl's own fake and kernel paths (0.16 mean, docs/alignment.md).
+# Measured here: 0.24 mean, 1.2 max (6 prompts x 16 tokens); the bounds leave room over it.
+INT8_MEAN_BOUND, INT8_MAX_BOUND = 0.4, 2.5
+# vLLM against itself (score's prefill vs generate's decode): int8 GEMMs are exact integer
+# arithmetic whatever the batch shape, so this stays small (measured below 5e-3 mean).
+SELF_MEAN_BOUND, SELF_MAX_BOUND = 5e-3, 5e-2
 FP32_MEAN_BOUND, FP32_MAX_BOUND = 1e-4, 1e-3
 
 
@@ -59,6 +64,14 @@ def _pair(scheme: str, tokenizer, tmp_path_factory):
 @pytest.fixture(scope="module")
 def int8(tokenizer, tmp_path_factory):
     engines = _pair("w8a8-int8", tokenizer, tmp_path_factory)
+    yield engines
+    del engines
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def fp32(tokenizer, tmp_path_factory):
+    engines = _pair("none", tokenizer, tmp_path_factory)
     yield engines
     del engines
     gc.collect()
@@ -129,34 +142,58 @@ def test_score_close_to_generate(int8, prompts):
     sampling = SamplingParams(max_new_tokens=12)
     batch = served.generate(prompts, sampling, seed=3)
     mean, worst = abs_diff(batch.rollout_logp, served.score(batch, sampling), batch.response_mask)
-    assert mean < INT8_MEAN_BOUND and worst < INT8_MAX_BOUND, (mean, worst)
+    assert mean < SELF_MEAN_BOUND and worst < SELF_MAX_BOUND, (mean, worst)
     with pytest.raises(ValueError, match="temperature"):
         served.score(batch, SamplingParams(max_new_tokens=12, temperature=0.7))
 
 
-def test_load_weights_follows_new_codes(int8, prompts):
-    """After load_weights with new codes (every down_proj negated) and a new embedding / tied
-    lm_head, vLLM's logprobs follow the new weights: they match the local engine given the
-    same state, and differ from before by far more than the bound."""
-    served, local, fake = int8
-    sampling = SamplingParams(max_new_tokens=12)
-    before = served.generate(prompts, sampling, seed=1)
-    state = export_state(fake.model)
+def _changed_state(model):
+    """model's export_state with every down_proj negated and the embedding / tied lm_head
+    scaled: a policy whose outputs differ from the original by nats."""
+    state = export_state(model)
     for name, value in list(state.items()):
-        if isinstance(value, QWeight) and "down_proj" in name:
-            state[name] = QWeight(value.scheme, value.shape, -value.codes, value.scales)
+        if "down_proj.weight" in name:
+            state[name] = (QWeight(value.scheme, value.shape, -value.codes, value.scales)
+                           if isinstance(value, QWeight) else -value)
     state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"] * 1.25
     state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    served.load_weights(state)
-    local.load_weights(state)
+    return state
+
+
+def test_load_weights_follows_new_codes(int8, prompts):
+    """After load_weights with new codes, vLLM's logprobs follow the new weights: they are as
+    close to the local engine given the same state as before the change, and far from what
+    the old weights give for the same tokens."""
+    served, local, fake = int8
+    sampling = SamplingParams(max_new_tokens=12)
+    original = export_state(fake.model)
+    served.load_weights(_changed_state(fake.model))
     assert served.last_sync_seconds > 0
     after = served.generate(prompts, sampling, seed=1)
+    old_weights = local.score(after, sampling)
+    local.load_weights(_changed_state(fake.model))
+    new_weights = local.score(after, sampling)
+    served.load_weights(original)  # back to the original for the other tests
+    local.load_weights(original)
+    mean_new, worst_new = abs_diff(after.rollout_logp, new_weights, after.response_mask)
+    mean_old, _ = abs_diff(after.rollout_logp, old_weights, after.response_mask)
+    assert mean_new < INT8_MEAN_BOUND and mean_old > 4 * mean_new, (mean_new, worst_new, mean_old)
+
+
+def test_load_weights_fp32_exact_follow(tokenizer, prompts, fp32):
+    """Full precision: after load_weights (new down_proj, new embedding and tied lm_head)
+    vLLM's logprobs equal the local engine's under the same state within the fp32 bound; a
+    stale lm_head would be off by nats."""
+    served, local, learner = fp32
+    sampling = SamplingParams(max_new_tokens=12)
+    original = export_state(learner.model)
+    served.load_weights(_changed_state(learner.model))
+    local.load_weights(_changed_state(learner.model))
+    after = served.generate(prompts, sampling, seed=1)
     mean, worst = abs_diff(after.rollout_logp, local.score(after, sampling), after.response_mask)
-    assert mean < INT8_MEAN_BOUND and worst < INT8_MAX_BOUND, (mean, worst)
-    replay_old = local.score(before, sampling)  # the new weights on the old tokens
-    assert abs_diff(before.rollout_logp, replay_old, before.response_mask)[0] > 10 * INT8_MEAN_BOUND
-    served.load_weights(export_state(fake.model))  # back to the original for other tests
-    local.load_weights(export_state(fake.model))
+    served.load_weights(original)
+    local.load_weights(original)
+    assert mean < FP32_MEAN_BOUND and worst < FP32_MAX_BOUND, (mean, worst)
 
 
 def test_load_weights_checks_names(int8):
@@ -167,11 +204,10 @@ def test_load_weights_checks_names(int8):
         int8[0].load_weights(state)
 
 
-def test_fp32_greedy_tokens_equal_local(tokenizer, prompts, int8, tmp_path_factory):
+def test_fp32_greedy_tokens_equal_local(prompts, fp32):
     """Full precision: vLLM's greedy tokens equal the local engine's, logprobs within the fp32
     bound (two fp32 GEMM implementations)."""
-    del int8  # the int8 instance is kept by the module fixture; this adds the fp32 one
-    served, local, _ = _pair("none", tokenizer, tmp_path_factory)
+    served, local, _ = fp32
     sampling = SamplingParams(max_new_tokens=16, greedy=True)
     ours, theirs = local.generate(prompts, sampling, seed=0), served.generate(prompts, sampling, seed=0)
     assert torch.equal(ours.response_ids, theirs.response_ids)

@@ -92,7 +92,8 @@ class VLLMEngine:
     `qarl.rollout.Engine`. `model` is the engine's qarl copy (`qarl.train.setup.engine_copy`);
     `folder` is where the starting policy is written for vLLM to load. eos / pad / max_context
     as for `LocalEngine`. vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 is set),
-    eager (no compilation: seconds to start), with a small KV cache."""
+    eager (no compilation: seconds to start), with a small KV cache (`kv_cache_bytes`, raised
+    to what one request of `max_context` tokens needs)."""
 
     stop_check = staticmethod(lambda: None)  # vLLM's generate runs to its end; see LocalEngine
 
@@ -112,6 +113,10 @@ class VLLMEngine:
                             else max_context)
         self.folder = write_policy_folder(model, Path(folder))
         dtype = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+        c = model.config  # vLLM refuses to start unless one request of max_context fits
+        per_token = (2 * c.num_layers * c.num_kv_heads * c.head_dim
+                     * model.model.embed_tokens.weight.element_size())  # K and V bytes
+        kv_cache_bytes = max(kv_cache_bytes, int(1.25 * per_token * self.max_context))
         with _global_rng_kept():
             self.llm = LLM(model=str(self.folder), skip_tokenizer_init=True, enforce_eager=True,
                            dtype=dtype, seed=seed, logprobs_mode="processed_logprobs",

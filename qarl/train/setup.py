@@ -159,8 +159,11 @@ def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | No
     if config.rollout.engine == "vllm":
         from qarl.rollout.vllm_engine import VLLMEngine  # imports vllm: only when asked for
 
+        # vLLM reserves KV cache for one request of the full context: bound it by the recipe
+        longest = config.task.max_prompt_tokens + max(config.rollout.max_new_tokens,
+                                                      config.eval.max_new_tokens)
         engine = VLLMEngine.from_tokenizer(engine_model, tokenizer, Path(run_dir) / "vllm_policy",
-                                           max_context=max_context, seed=config.run.seed)
+                                           max_context=max_context or longest, seed=config.run.seed)
     else:
         engine = LocalEngine.from_tokenizer(engine_model, tokenizer, max_context=max_context)
     scorer = LocalEngine.from_tokenizer(learner, tokenizer, max_context=max_context)

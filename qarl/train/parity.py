@@ -20,6 +20,11 @@ mismatch ratio rho_i = exp(mean_t d_t) (mean, min, max), mean |d_t| per response
 bucket, the token count, whether old_logp equals rollout_logp bit for bit, and the seconds the
 arm took. Scheme `none` is the floor: both sides full precision, one row per path.
 See docs/alignment.md for what the numbers mean and a measured matrix.
+
+`engine="vllm"`: the samples come from a `VLLMEngine` (vLLM in this process, fed qarl's codes
+in compressed-tensors layout) instead of the local engine; the alignments are `naive` and
+`fake` (the learner cannot run vLLM's kernels) and the schemes those vLLM serves here
+(qarl.config.checks.VLLM_CPU_SCHEMES / VLLM_CUDA_SCHEMES).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -37,6 +43,8 @@ from qarl.config import QuantSection
 from qarl.types import RolloutBatch, SamplingParams
 
 ALIGNS = ("naive", "fake", "kernel")
+ENGINES = ("local", "vllm")
+VLLM_ALIGNS = ("naive", "fake")
 DECODE_REPLAY, FULL_SEQUENCE = "decode-replay", "full-sequence"
 # Response-position buckets (start positions); empty buckets are left out of a row.
 POSITION_BUCKETS = (0, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -55,12 +63,18 @@ class Arm:
     learner_layers: tuple[str, ...]  # the learner's QuantLinear layers (none when naive)
 
 
-def check_names(schemes: Sequence[str], aligns: Sequence[str], options: dict | None = None) -> None:
-    """Raise one ValueError naming every unknown scheme / alignment (and the valid ones) and
-    every scheme that does not take the quant `options` given."""
+def check_names(schemes: Sequence[str], aligns: Sequence[str], options: dict | None = None,
+                engine: str = "local") -> None:
+    """Raise one ValueError naming every unknown scheme / alignment (and the valid ones),
+    every scheme that does not take the quant `options` given, and with engine "vllm" every
+    alignment or scheme vLLM cannot be measured with here."""
     from qarl.quant import SCHEMES, scheme_options
 
     problems = []
+    if engine not in ENGINES:
+        problems.append(f"unknown engine {engine!r}; valid: {list(ENGINES)}")
+    elif engine == "vllm":
+        problems += _vllm_problems(schemes, aligns)
     bad_schemes = [s for s in schemes if s not in SCHEMES]
     if bad_schemes:
         problems.append(f"unknown scheme(s) {bad_schemes}; valid: {sorted(SCHEMES)}")
@@ -78,6 +92,31 @@ def check_names(schemes: Sequence[str], aligns: Sequence[str], options: dict | N
                             f"{sorted(valid)}); measure it without them")
     if problems:
         raise ValueError("qarl parity: " + "; ".join(problems))
+
+
+def _vllm_problems(schemes: Sequence[str], aligns: Sequence[str]) -> list[str]:
+    import torch
+
+    from qarl.config.checks import VLLM_CPU_SCHEMES, VLLM_CUDA_SCHEMES
+
+    served = VLLM_CUDA_SCHEMES if torch.cuda.is_available() else VLLM_CPU_SCHEMES
+    problems = [f"alignment {a!r} cannot be measured with vLLM (the learner cannot run its "
+                f"kernels); use {list(VLLM_ALIGNS)}" for a in aligns if a not in VLLM_ALIGNS]
+    unserved = [s for s in schemes if s not in served]
+    if unserved:
+        problems.append(f"scheme(s) {unserved} are not served by vLLM on this machine; "
+                        f"valid: {list(served)}")
+    return problems
+
+
+def _make_engine(engine: str, model, tokenizer, folder):
+    from qarl.rollout import LocalEngine
+
+    if engine == "vllm":
+        from qarl.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine.from_tokenizer(model, tokenizer, folder)
+    return LocalEngine.from_tokenizer(model, tokenizer)
 
 
 def encode_prompts(tokenizer, num_prompts: int, seed: int) -> list[list[int]]:
@@ -118,35 +157,39 @@ def run_arms(
     seed: int = 0,
     include_full_sequence: bool = True,
     quant: QuantSection | None = None,
+    engine: str = "local",
 ) -> Iterator[Arm]:
     """Yield one Arm per (scheme, align, path), scheme by scheme (see the module docstring).
     `quant` (a recipe's section; default: every projection in the blocks, no options) gives
-    the include / exclude / options used for every scheme; its scheme and align are replaced."""
+    the include / exclude / options used for every scheme; its scheme and align are replaced.
+    `engine`: what samples the batch, "local" or "vllm"."""
     from qarl.model import load_model, load_tokenizer
     from qarl.quant import SCHEMES, export_state, quant_layers
     from qarl.rollout import LocalEngine
     from qarl.train.learner import response_logprobs
     from qarl.train.setup import engine_copy, quantize_learner
 
+    import tempfile
+
     quant = quant if quant is not None else QuantSection()
-    check_names(schemes, aligns, quant.options)
+    check_names(schemes, aligns, quant.options, engine)
     tokenizer = load_tokenizer(model_name)
     pristine = load_model(model_name)
     prompts = encode_prompts(tokenizer, num_prompts, seed)
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
     for scheme in schemes:
         identity = SCHEMES[scheme].is_identity
-        engine = LocalEngine.from_tokenizer(
-            engine_copy(pristine, quant.model_copy(update={"scheme": scheme})), tokenizer)
-        batch = engine.generate(prompts, sampling, seed=seed)
-        sampled_with = _engine_codes(engine)
+        sampler = _make_engine(engine, engine_copy(pristine, quant.model_copy(
+            update={"scheme": scheme})), tokenizer, Path(tempfile.mkdtemp(prefix="qarl-parity-")))
+        batch = sampler.generate(prompts, sampling, seed=seed)
+        sampled_with = _engine_codes(sampler)
         # The identity scheme: every alignment builds the same plain learner; measure it once.
         for align in aligns if not identity else ("naive",):
             start = time.perf_counter()
             learner = quantize_learner(copy.deepcopy(pristine),
                                        quant.model_copy(update={"scheme": scheme, "align": align}))
-            engine.load_weights(export_state(learner))
-            _check_same_codes(sampled_with, _engine_codes(engine), scheme, align)
+            sampler.load_weights(export_state(learner))
+            _check_same_codes(sampled_with, _engine_codes(sampler), scheme, align)
             scorer = LocalEngine.from_tokenizer(learner, tokenizer)
             old_logp = scorer.score(batch, sampling)
             layers = tuple(quant_layers(learner))
@@ -193,13 +236,14 @@ def parity_matrix(
     seed: int = 0,
     include_full_sequence: bool = True,
     quant: QuantSection | None = None,
+    engine: str = "local",
 ) -> list[dict]:
     """One row (see `arm_row`) per (scheme, align, path); schemes default to all of SCHEMES."""
     from qarl.quant import SCHEMES
 
     schemes = list(SCHEMES) if schemes is None else list(schemes)
     arms = run_arms(model_name, schemes, aligns, num_prompts, max_new_tokens, temperature, seed,
-                    include_full_sequence, quant)
+                    include_full_sequence, quant, engine)
     return [arm_row(arm) for arm in arms]
 
 

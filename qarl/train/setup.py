@@ -30,7 +30,7 @@ from qarl.config import QuantSection, RolloutSection, RunConfig, TaskSection, sa
 from qarl.model import CausalLM, load_model, load_tokenizer
 from qarl.model.tokenizer import Tokenizer
 from qarl.quant import SCHEMES, quantize_model
-from qarl.rollout import LocalEngine
+from qarl.rollout import Engine, LocalEngine
 from qarl.tasks import Example, RewardRunner, Task, make_task
 from qarl.train.sync import WeightSync
 from qarl.types import RolloutBatch, SamplingParams
@@ -75,7 +75,7 @@ class Policy:
     """The policy pair: the learner, the engine that samples, and what connects them."""
 
     learner: CausalLM  # master weights; QuantLinear in the align mode (none when naive)
-    engine: LocalEngine  # samples with the quantized copy (kernel-mode QuantLinear)
+    engine: Engine  # samples with the quantized copy: LocalEngine, or VLLMEngine (rollout.engine)
     scorer: LocalEngine  # the engine's decode path around the LEARNER model
     sync: WeightSync  # learner -> engine weight push
     quantized: bool  # False when the scheme is the identity (full-precision rollouts)
@@ -146,14 +146,26 @@ def quantize_learner(learner: CausalLM, quant: QuantSection) -> CausalLM:
     return learner
 
 
-def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | None = None) -> Policy:
-    """The policy pair; `learner`, when given, replaces loading `model.name` (warm start)."""
+def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | None = None,
+                 run_dir: Path | None = None) -> Policy:
+    """The policy pair; `learner`, when given, replaces loading `model.name` (warm start).
+    With rollout.engine = 'vllm' the engine is a VLLMEngine whose starting policy is written
+    to run_dir / "vllm_policy"."""
     if learner is None:
         learner = load_model(config.model.name, dtype=DTYPES[config.model.master_dtype])
     engine_model = engine_copy(learner, config.quant)  # copied before the learner is quantized
     quantize_learner(learner, config.quant)
     max_context = config.model.max_context
-    engine = LocalEngine.from_tokenizer(engine_model, tokenizer, max_context=max_context)
+    if config.rollout.engine == "vllm":
+        from qarl.rollout.vllm_engine import VLLMEngine  # imports vllm: only when asked for
+
+        # vLLM reserves KV cache for one request of the full context: bound it by the recipe
+        longest = config.task.max_prompt_tokens + max(config.rollout.max_new_tokens,
+                                                      config.eval.max_new_tokens)
+        engine = VLLMEngine.from_tokenizer(engine_model, tokenizer, Path(run_dir) / "vllm_policy",
+                                           max_context=max_context or longest, seed=config.run.seed)
+    else:
+        engine = LocalEngine.from_tokenizer(engine_model, tokenizer, max_context=max_context)
     scorer = LocalEngine.from_tokenizer(learner, tokenizer, max_context=max_context)
     return Policy(learner, engine, scorer, WeightSync(learner, engine),
                   quantized=not SCHEMES[config.quant.scheme].is_identity)
@@ -215,6 +227,6 @@ def open_run(config: RunConfig, learner: CausalLM | None = None) -> Iterator[tup
     with closing(open_run_folder(config)) as folder:
         torch.manual_seed(config.run.seed)
         tokenizer = load_tokenizer(config.model.name)
-        policy = build_policy(config, tokenizer, learner)
+        policy = build_policy(config, tokenizer, learner, folder.path)
         with closing(build_data(config, tokenizer, folder.path)) as data:
             yield folder, policy, data

@@ -1,0 +1,49 @@
+"""rollout.engine = 'vllm' is refused at config load, before any work, where it cannot run."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from qarl.config import ConfigError, load_config
+
+_SPEC = importlib.util.find_spec("vllm")
+HAS_VLLM = _SPEC is not None and _SPEC.origin is not None
+
+
+def problems(base_toml, write_recipe, *overrides) -> dict[str, str]:
+    with pytest.raises(ConfigError) as caught:
+        load_config(write_recipe(base_toml), ["--rollout.engine=vllm", *overrides])
+    return {p.path: str(p) for p in caught.value.problems}
+
+
+def test_kernel_align_is_refused(base_toml, write_recipe):
+    """The learner cannot run vLLM's kernels: align 'kernel' is refused, naming 'fake'."""
+    found = problems(base_toml, write_recipe, "--quant.align=kernel")
+    assert "use 'fake'" in found["quant.align"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU rule")
+def test_gpu_only_scheme_is_refused_on_cpu(base_toml, write_recipe):
+    """FP8 is served by vLLM only with CUDA: refused on CPU, naming what runs here."""
+    found = problems(base_toml, write_recipe, "--quant.align=fake", "--quant.scheme=w8a8-fp8")
+    assert "not served by vLLM on CPU" in found["quant.scheme"]
+    assert "none, w8a8-int8" in found["quant.scheme"]
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vllm is installed here")
+def test_missing_vllm_is_refused(base_toml, write_recipe):
+    """Without the vllm package the recipe fails at load with the install command."""
+    found = problems(base_toml, write_recipe, "--quant.align=fake")
+    assert "pip install 'qarl[vllm]'" in found["rollout.engine"]
+    assert "make test-vllm" in found["rollout.engine"]
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="needs vllm")
+def test_vllm_recipe_is_valid(base_toml, write_recipe):
+    """With vllm installed, fake + w8a8-int8 loads."""
+    config = load_config(write_recipe(base_toml), ["--rollout.engine=vllm", "--quant.align=fake",
+                                                   "--quant.scheme=w8a8-int8"])
+    assert config.rollout.engine == "vllm"

@@ -20,6 +20,8 @@ COMMANDS = {
     "models": ("qarl.cli.models", "list and prepare the embedded models"),
     "compare": ("qarl.cli.compare", "run the arms of a recipe's [compare] section (seeds x arms "
                 "as qarl train runs) and write their report"),
+    "export": ("qarl.cli.export", "write a run's or checkpoint's policy as a Hugging Face folder "
+               "(full precision) or a compressed-tensors folder (quantized, for vLLM)"),
     "report": ("qarl.cli.report", "write the comparison report (report.md, compare.json, "
                "plots) of a qarl compare folder"),
 }

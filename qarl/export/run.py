@@ -1,0 +1,197 @@
+"""`export_run`: a run's (or a checkpoint's) policy as a folder another stack loads.
+
+Where the policy is read from (the layout qarl/train/checkpoint.py writes): a checkpoint
+folder `step_NNNNNN/` holds the master weights (`model.safetensors`, a tied weight stored
+once) and the resolved config the steps were taken with (`config.toml`); a run folder names
+its checkpoint to resume from in the one-line file `latest`. Only safetensors and TOML are
+read, nothing is unpickled.
+
+Formats:
+- `hf`: the full-precision master weights in the run's master dtype, as a Hugging Face folder
+  (config.json, model.safetensors, tokenizer files, generation_config.json when the base model
+  has one) that `transformers.AutoModelForCausalLM.from_pretrained` loads.
+- `compressed-tensors`: the master weights quantized by qarl's own quantizer with the run's
+  scheme, options and layer selection (the codes the engine computed from these weights),
+  written in compressed-tensors' layout with its `quantization_config`: what vLLM serves.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+from qarl.export.compressed_tensors import WEIGHTS_FILE, ct_state, quantization_config
+from qarl.model import CausalLM, load_model, load_tokenizer, save_model
+from qarl.model.zoo import resolve
+from qarl.quant import SCHEMES, QWeight, export_state, quantize_model
+
+FORMATS = ("hf", "compressed-tensors")
+CONFIG_FILE = "config.toml"  # the resolved config a checkpoint was trained with
+POINTER = "latest"  # a run folder's one-line file naming its newest complete checkpoint
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+GENERATION_CONFIG = "generation_config.json"
+# Layers vLLM runs as one fused GEMM; NVFP4 then decodes them with one global scale.
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+@dataclass(frozen=True)
+class RunPolicy:
+    """What an export needs from a run: its checkpoint and the recipe keys that built it."""
+
+    checkpoint: Path
+    model_name: str  # zoo name or path of the base model (architecture, tokenizer)
+    master_dtype: str
+    scheme: str
+    options: dict = field(default_factory=dict)
+    include: list[str] | None = None
+    exclude: list[str] | None = None
+
+
+def find_checkpoint(src: str | Path) -> Path:
+    """`src` itself when it is a checkpoint folder; for a run folder, the checkpoint its
+    `latest` pointer names."""
+    src = Path(src)
+    if (src / WEIGHTS_FILE).is_file() and (src / CONFIG_FILE).is_file():
+        return src
+    pointer = src / POINTER
+    if pointer.is_file():
+        named = src / pointer.read_text().strip()
+        if (named / WEIGHTS_FILE).is_file() and (named / CONFIG_FILE).is_file():
+            return named
+    raise FileNotFoundError(
+        f"{src} is neither a checkpoint folder (step_NNNNNN/ with {WEIGHTS_FILE} and "
+        f"{CONFIG_FILE}) nor a run folder whose '{POINTER}' file names one; pass the folder "
+        f"`qarl train` printed as 'run folder', or one of its step_NNNNNN folders"
+    )
+
+
+def read_run(src: str | Path) -> RunPolicy:
+    """The checkpoint of `src` and the model / quant keys of the config it was trained with."""
+    checkpoint = find_checkpoint(src)
+    config = tomllib.loads((checkpoint / CONFIG_FILE).read_text())
+    model, quant = config.get("model", {}), config.get("quant", {})
+    return RunPolicy(checkpoint, model["name"], model.get("master_dtype", "float32"),
+                     quant.get("scheme", "w8a8-int8"), quant.get("options", {}),
+                     quant.get("include"), quant.get("exclude"))
+
+
+def load_master(policy: RunPolicy) -> CausalLM:
+    """The base model's architecture holding the checkpoint's master weights, every name
+    accounted for (a tied lm_head is stored once, as the embedding)."""
+    model = load_model(policy.model_name, dtype=DTYPES[policy.master_dtype])
+    weights = load_file(policy.checkpoint / WEIGHTS_FILE)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(
+            f"{policy.checkpoint / WEIGHTS_FILE} does not fit {policy.model_name!r}: missing "
+            f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    return model
+
+
+def export_run(src: str | Path, out: str | Path, format: str, scheme: str | None = None) -> Path:
+    """Write the policy of run or checkpoint folder `src` into the new folder `out` as `format`
+    ("hf" or "compressed-tensors"); `scheme` replaces the run's quant.scheme (compressed-tensors
+    only; the run's quant.options then apply only when it is the run's own scheme)."""
+    if format not in FORMATS:
+        raise ValueError(f"unknown export format {format!r}; valid: {list(FORMATS)}")
+    if scheme is not None and format == "hf":
+        raise ValueError("--scheme applies to --format compressed-tensors; the hf format "
+                         "writes the full-precision master weights, drop --scheme")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty; export into a new folder")
+    policy = read_run(src)
+    model = load_master(policy)
+    if format == "hf":
+        save_model(model, out)
+    else:
+        write_compressed_tensors(model, policy, scheme or policy.scheme, out)
+    copy_tokenizer(policy.model_name, out)
+    return out
+
+
+def quantized_state(model: CausalLM, policy: RunPolicy, scheme: str) -> dict[str, torch.Tensor | QWeight]:
+    """export_state of `model` quantized as the run's engine is (kernel mode, its layers)."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; valid: {sorted(SCHEMES)}")
+    if SCHEMES[scheme].is_identity:
+        raise ValueError(f"scheme {scheme!r} is full precision: there is nothing to write as "
+                         f"compressed-tensors; use --format hf")
+    options = policy.options if scheme == policy.scheme else {}
+    quantize_model(model, scheme, mode="kernel", include=policy.include, exclude=policy.exclude,
+                   **options)
+    return export_state(model)
+
+
+def write_compressed_tensors(model: CausalLM, policy: RunPolicy, scheme: str, out: Path) -> None:
+    """config.json with quantization_config and model.safetensors in compressed-tensors'
+    layout; everything is converted (and refused, when it cannot be written) before a file
+    is written."""
+    state = quantized_state(model, policy, scheme)
+    tensors, config = ct_state(state), quantization_config(state)
+    warn_split_global_scales(state)
+    hf = model.config.to_hf()
+    hf["dtype"] = policy.master_dtype
+    # A quantized lm_head is its own tensor: tying it to the embedding would drop its codes.
+    hf["tie_word_embeddings"] = hf["tie_word_embeddings"] and not isinstance(state.get("lm_head.weight"), QWeight)
+    hf["quantization_config"] = config
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    save_file(unshared(tensors), out / WEIGHTS_FILE, metadata={"format": "pt"})
+
+
+def unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors, a second name for the same memory (a tied lm_head) copied:
+    safetensors stores no shared memory."""
+    seen, out = set(), {}
+    for name, t in sorted(tensors.items()):
+        t = t.detach().contiguous()
+        out[name] = t.clone() if t.data_ptr() in seen else t
+        seen.add(t.data_ptr())
+    return out
+
+
+def warn_split_global_scales(state: dict[str, torch.Tensor | QWeight]) -> None:
+    """vLLM fuses q/k/v and gate/up and decodes the fused NVFP4 layer with the largest of
+    their global scales; qarl gives each layer its own, so vLLM would serve other weights for
+    the layers whose scales differ. The file itself is exact: say so, and where."""
+    split = []
+    for name, qw in state.items():
+        if not (isinstance(qw, QWeight) and qw.global_scale is not None):
+            continue
+        module = name.removesuffix(".weight")
+        for group in FUSED:
+            if module.endswith("." + group[0]):
+                parent = module.removesuffix(group[0])
+                scales = {float(state[f"{parent}{m}.weight"].global_scale) for m in group
+                          if isinstance(state.get(f"{parent}{m}.weight"), QWeight)}
+                if len(scales) > 1:
+                    split.append(parent + "/".join(group))
+    if split:
+        warnings.warn(
+            f"{len(split)} fused layer group(s) (e.g. {split[0]}) hold NVFP4 weights with "
+            f"different global scales; vLLM decodes a fused group with one (the largest), so "
+            f"it would not serve exactly these codes there. compressed-tensors' own decoder "
+            f"reads the file exactly.", stacklevel=3)
+
+
+def copy_tokenizer(model_name: str, out: Path) -> None:
+    """The base model's tokenizer files, and its generation_config.json when it has one."""
+    load_tokenizer(model_name).hf.save_pretrained(out)
+    source = resolve(model_name)
+    if source.is_dir() and (source / GENERATION_CONFIG).is_file():
+        shutil.copyfile(source / GENERATION_CONFIG, out / GENERATION_CONFIG)

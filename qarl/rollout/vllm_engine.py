@@ -21,7 +21,7 @@ How the contract is met:
   the sampler's distribution only for greedy decoding or temperature 1 without top-k / top-p
   (the RL defaults); other settings raise. They come from one prefill over the sequence, not
   from replayed decode steps, so they equal `generate`'s logprobs up to the GEMM rounding of a
-  different batch shape (measured in tests/vllm), not bit for bit.
+  different batch shape (measured in tests/vllm_engine), not bit for bit.
 - load_weights: non-quantized tensors (embedding, norms, lm_head, full-precision linears) go
   through vLLM's in-place reload (`reload_weights`, layerwise processing); each quantized
   linear gets its checkpoint-format tensors (q/k/v and gate/up stacked as vLLM fuses them) and

@@ -1,6 +1,6 @@
 """qarl's QWeights in compressed-tensors' layout: names, dtypes, shapes, the packing order
 against hand-computed words, the config block, and a bit-exact round trip for every format.
-None of this needs the compressed-tensors package (tests/vllm checks against its code)."""
+None of this needs the compressed-tensors package (tests/vllm_engine checks against its code)."""
 
 from __future__ import annotations
 

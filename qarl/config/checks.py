@@ -247,6 +247,31 @@ def tensorboard_available(log) -> list[Problem]:
     return []
 
 
+def dist_is_possible(dist, rollout, train) -> list[Problem]:
+    """[dist]: more than one rollout worker or learner rank, or an address, needs Ray (the
+    `qarl[ray]` extra); an address with nothing to distribute is a mistake; at most one rollout
+    worker per sequence and one learner rank per micro-batch of a step."""
+    problems = []
+    distributed = dist.rollout_workers > 1 or dist.learner_ranks > 1
+    if dist.address is not None and not distributed:
+        problems.append(Problem("dist.address", f"is {dist.address!r} but rollout_workers and "
+                                "learner_ranks are both 1, so nothing would run on Ray; raise "
+                                "one of them or remove the address"))
+    if distributed and importlib.util.find_spec("ray") is None:
+        problems.append(Problem("dist", "rollout_workers or learner_ranks > 1 needs Ray, which "
+                                "is not installed; pip install 'qarl[ray]' (or set both to 1)"))
+    if dist.rollout_workers > rollout.batch_size:
+        problems.append(Problem("dist.rollout_workers", f"{dist.rollout_workers} is more than "
+                                f"the {rollout.batch_size} sequences of a step "
+                                "(rollout.batch_size); lower it"))
+    micro_batches = rollout.batch_size // train.micro_batch_size
+    if dist.learner_ranks > micro_batches:
+        problems.append(Problem("dist.learner_ranks", f"{dist.learner_ranks} is more than the "
+                                f"{micro_batches} micro-batches of a step (rollout.batch_size / "
+                                "train.micro_batch_size); lower it or the micro-batch size"))
+    return problems
+
+
 def compare_arms_consistent(compare) -> list[Problem]:
     """[compare]: arm names are plain folder names; reference, baseline and every optional
     name an arm; seeds are distinct and not negative; neither an arm nor compare.overrides
@@ -289,6 +314,7 @@ CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
     (("train",), schedule_fits),
     (("model", "task", "rollout", "eval"), context_fits),
     (("log",), tensorboard_available),
+    (("dist", "rollout", "train"), dist_is_possible),
     (("compare",), compare_arms_consistent),
 ]
 

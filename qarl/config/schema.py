@@ -366,6 +366,28 @@ class LogSection(BaseModel):
     jsonl: bool = Field(True, description="Write metrics.jsonl in the run folder.")
 
 
+class DistSection(BaseModel):
+    """Scale-out over processes and machines with Ray and torch.distributed (the `qarl[ray]`
+    extra; docs/distributed.md). The defaults run everything in this one process, without Ray."""
+
+    model_config = _SECTION
+
+    rollout_workers: int = Field(
+        1, ge=1, description="Rollout engines, each in a Ray actor; each step's prompts are split "
+        "into contiguous shards over them and the results joined in prompt order (the same tokens "
+        "as one engine). 1 = the engine runs in this process and Ray is not used.",
+    )
+    learner_ranks: int = Field(
+        1, ge=1, description="Learner processes joined by torch.distributed (gloo on CPU); each "
+        "takes its share of the micro-batches and the gradients are summed, so M ranks make the "
+        "update of one within float rounding. 1 = the learner runs in this process.",
+    )
+    address: str | None = Field(
+        None, min_length=1, description="Ray cluster to join: 'auto' (the one `ray start` runs on "
+        "this machine) or 'ray://host:port'. Default: start a local Ray with this machine's CPUs.",
+    )
+
+
 class RunConfig(BaseModel):
     """A whole recipe. Sections may be omitted from a TOML file; their defaults apply."""
 
@@ -381,6 +403,7 @@ class RunConfig(BaseModel):
     eval: EvalSection = Field(default_factory=EvalSection)
     sft: SftSection = Field(default_factory=SftSection)
     log: LogSection = Field(default_factory=LogSection)
+    dist: DistSection = Field(default_factory=DistSection)
     compare: CompareSection | None = None  # optional: None when the recipe has no [compare]
 
 

@@ -20,6 +20,7 @@ import fcntl
 import sys
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import IO, Iterator
 
@@ -30,7 +31,7 @@ from qarl.config import QuantSection, RolloutSection, RunConfig, TaskSection, sa
 from qarl.model import CausalLM, load_model, load_tokenizer
 from qarl.model.tokenizer import Tokenizer
 from qarl.quant import SCHEMES, quantize_model
-from qarl.rollout import LocalEngine
+from qarl.rollout import Engine, LocalEngine
 from qarl.tasks import Example, RewardRunner, Task, make_task
 from qarl.train.sync import WeightSync
 from qarl.types import RolloutBatch, SamplingParams
@@ -75,7 +76,8 @@ class Policy:
     """The policy pair: the learner, the engine that samples, and what connects them."""
 
     learner: CausalLM  # master weights; QuantLinear in the align mode (none when naive)
-    engine: LocalEngine  # samples with the quantized copy (kernel-mode QuantLinear)
+    engine: Engine  # samples with the quantized copy (kernel-mode QuantLinear): a LocalEngine,
+    # or qarl.dist.RayEngines of such engines when dist.rollout_workers > 1
     scorer: LocalEngine  # the engine's decode path around the LEARNER model
     sync: WeightSync  # learner -> engine weight push
     quantized: bool  # False when the scheme is the identity (full-precision rollouts)
@@ -85,6 +87,11 @@ class Policy:
         the engine's own decode path on the whole batch (qarl.train.learner's docstring says
         why this, and not a full-sequence forward, gives exact values)."""
         return self.scorer.score(batch, sampling)
+
+    def close(self) -> None:
+        """End the rollout workers' actors, if the engine has any."""
+        if hasattr(self.engine, "close"):
+            self.engine.close()
 
 
 @dataclass
@@ -146,14 +153,29 @@ def quantize_learner(learner: CausalLM, quant: QuantSection) -> CausalLM:
     return learner
 
 
+def build_engine(config: RunConfig) -> LocalEngine:
+    """The rollout engine of `config` built from the model files, as each Ray rollout worker
+    builds its own (the trainer's first weight push then replaces all its weights)."""
+    model = load_model(config.model.name, dtype=DTYPES[config.model.master_dtype])
+    return LocalEngine.from_tokenizer(engine_copy(model, config.quant),
+                                      load_tokenizer(config.model.name),
+                                      max_context=config.model.max_context)
+
+
 def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | None = None) -> Policy:
     """The policy pair; `learner`, when given, replaces loading `model.name` (warm start)."""
     if learner is None:
         learner = load_model(config.model.name, dtype=DTYPES[config.model.master_dtype])
-    engine_model = engine_copy(learner, config.quant)  # copied before the learner is quantized
-    quantize_learner(learner, config.quant)
     max_context = config.model.max_context
-    engine = LocalEngine.from_tokenizer(engine_model, tokenizer, max_context=max_context)
+    if config.dist.rollout_workers > 1:
+        from qarl.dist import RayEngines, connect  # Ray only when the recipe asks for it
+
+        connect(config.dist.address)
+        engine = RayEngines(partial(build_engine, config), config.dist.rollout_workers)
+    else:
+        engine_model = engine_copy(learner, config.quant)  # copied before the learner is quantized
+        engine = LocalEngine.from_tokenizer(engine_model, tokenizer, max_context=max_context)
+    quantize_learner(learner, config.quant)
     scorer = LocalEngine.from_tokenizer(learner, tokenizer, max_context=max_context)
     return Policy(learner, engine, scorer, WeightSync(learner, engine),
                   quantized=not SCHEMES[config.quant.scheme].is_identity)
@@ -215,6 +237,6 @@ def open_run(config: RunConfig, learner: CausalLM | None = None) -> Iterator[tup
     with closing(open_run_folder(config)) as folder:
         torch.manual_seed(config.run.seed)
         tokenizer = load_tokenizer(config.model.name)
-        policy = build_policy(config, tokenizer, learner)
-        with closing(build_data(config, tokenizer, folder.path)) as data:
+        with closing(build_policy(config, tokenizer, learner)) as policy, \
+                closing(build_data(config, tokenizer, folder.path)) as data:
             yield folder, policy, data

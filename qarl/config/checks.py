@@ -248,18 +248,17 @@ def tensorboard_available(log) -> list[Problem]:
 
 
 def dist_is_possible(dist, rollout, train) -> list[Problem]:
-    """[dist]: more than one rollout worker or learner rank, or an address, needs Ray (the
-    `qarl[ray]` extra); an address with nothing to distribute is a mistake; at most one rollout
-    worker per sequence and one learner rank per micro-batch of a step."""
+    """[dist]: rollout_workers > 1 needs Ray (the `qarl[ray]` extra) and dist.address needs
+    rollout workers to place; at most one rollout worker per sequence and one learner rank per
+    micro-batch of a step."""
     problems = []
-    distributed = dist.rollout_workers > 1 or dist.learner_ranks > 1
-    if dist.address is not None and not distributed:
-        problems.append(Problem("dist.address", f"is {dist.address!r} but rollout_workers and "
-                                "learner_ranks are both 1, so nothing would run on Ray; raise "
-                                "one of them or remove the address"))
-    if distributed and importlib.util.find_spec("ray") is None:
-        problems.append(Problem("dist", "rollout_workers or learner_ranks > 1 needs Ray, which "
-                                "is not installed; pip install 'qarl[ray]' (or set both to 1)"))
+    if dist.address is not None and dist.rollout_workers == 1:
+        problems.append(Problem("dist.address", f"is {dist.address!r} but rollout_workers is 1, "
+                                "so nothing would run on Ray; raise rollout_workers or remove "
+                                "the address"))
+    if dist.rollout_workers > 1 and importlib.util.find_spec("ray") is None:
+        problems.append(Problem("dist.rollout_workers", f"{dist.rollout_workers} needs Ray, "
+                                "which is not installed; pip install 'qarl[ray]' (or set it to 1)"))
     if dist.rollout_workers > rollout.batch_size:
         problems.append(Problem("dist.rollout_workers", f"{dist.rollout_workers} is more than "
                                 f"the {rollout.batch_size} sequences of a step "

@@ -367,8 +367,9 @@ class LogSection(BaseModel):
 
 
 class DistSection(BaseModel):
-    """Scale-out over processes and machines with Ray and torch.distributed (the `qarl[ray]`
-    extra; docs/distributed.md). The defaults run everything in this one process, without Ray."""
+    """Scale-out: rollout engines as Ray actors (the `qarl[ray]` extra), a data-parallel learner
+    over torch.distributed (docs/distributed.md). The defaults run everything in this one
+    process, without Ray."""
 
     model_config = _SECTION
 
@@ -378,13 +379,15 @@ class DistSection(BaseModel):
         "as one engine). 1 = the engine runs in this process and Ray is not used.",
     )
     learner_ranks: int = Field(
-        1, ge=1, description="Learner processes joined by torch.distributed (gloo on CPU); each "
-        "takes its share of the micro-batches and the gradients are summed, so M ranks make the "
-        "update of one within float rounding. 1 = the learner runs in this process.",
+        1, ge=1, description="Learner processes on this machine joined by torch.distributed "
+        "(gloo); each takes its share of the micro-batches and the gradients are summed, so M "
+        "ranks make the update of one within float rounding. 1 = the learner runs in this "
+        "process. Does not need Ray.",
     )
     address: str | None = Field(
-        None, min_length=1, description="Ray cluster to join: 'auto' (the one `ray start` runs on "
-        "this machine) or 'ray://host:port'. Default: start a local Ray with this machine's CPUs.",
+        None, min_length=1, description="Ray cluster the rollout workers run on: 'auto' (the one "
+        "`ray start` runs on this machine) or 'ray://host:port'. Default: start a local Ray "
+        "with this machine's CPUs.",
     )
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from qarl.algo.diagnostics import error_token_metrics
 from qarl.config import EvalSection, RunConfig
 from qarl.model import CausalLM

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,7 +42,9 @@ from qarl.model import CausalLM, load_model, load_tokenizer
 from qarl.rollout import LocalEngine
 from qarl.train.optim import build_optimizer
 
-_TIMEOUT = timedelta(minutes=30)  # a collective waiting longer than this means a rank hangs
+# Followers wait in a broadcast while rank 0 generates, scores and evaluates, which can take
+# hours on a CPU; a dead rank is noticed by its closed connection, not by this timeout.
+_TIMEOUT = timedelta(hours=24)
 
 
 class LearnerRankDied(RuntimeError):
@@ -54,7 +57,7 @@ class RankGroup:
 
     rank: int
     world: int
-    processes: tuple = ()  # rank 0: the followers' processes (for the message if one dies)
+    processes: tuple = ()  # rank 0: the followers' Popen objects (to name a dead one)
 
     def micro_batches(self, starts: range) -> range:
         """The micro-batch start rows this rank computes: every world-th, from its rank."""
@@ -146,6 +149,7 @@ def follower(rank: int, world: int, init_file: str, config: RunConfig) -> None:
     from qarl.train.phases import update_policy
     from qarl.train.setup import DTYPES, quantize_learner
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: rank 0 stops the run, then us
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=_TIMEOUT)
@@ -157,11 +161,14 @@ def follower(rank: int, world: int, init_file: str, config: RunConfig) -> None:
     optimizers = build_optimizer(learner, train.optimizer, train.lr, train.weight_decay,
                                  tuple(train.betas))
     group = RankGroup(rank, world)
-    share_state(group, learner, optimizers)
-    replica = Replica(learner, scorer)
-    while (message := group.broadcast(None)) is not None:
-        exp, step = message
-        update_policy(replica, optimizers, exp, config.algo, train, step, group)
+    try:
+        share_state(group, learner, optimizers)
+        replica = Replica(learner, scorer)
+        while (message := group.broadcast(None)) is not None:
+            exp, step = message
+            update_policy(replica, optimizers, exp, config.algo, train, step, group)
+    except LearnerRankDied:
+        sys.exit(1)  # rank 0 stopped (it says why, and saves what it can)
     dist.destroy_process_group()
 
 

@@ -26,7 +26,8 @@ FIELDS = ["prompt_ids", "prompt_mask", "response_ids", "response_mask", "rollout
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             object_store_memory=200 * 2**20)
     # the dying engine below is defined here: ship it by value to the actors
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     yield

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from qarl.config.compare_schema import CompareSection
+from qarl.config.dist_schema import DistSection
 
 # Strict: a recipe is typed TOML, so "32" is not an int and true is not a number. Ints are
 # still accepted where a float is expected (lr = 1 is fine).
@@ -364,31 +365,6 @@ class LogSection(BaseModel):
         "from metrics.jsonl, so only with jsonl = true)."
     )
     jsonl: bool = Field(True, description="Write metrics.jsonl in the run folder.")
-
-
-class DistSection(BaseModel):
-    """Scale-out: rollout engines as Ray actors (the `qarl[ray]` extra), a data-parallel learner
-    over torch.distributed (docs/distributed.md). The defaults run everything in this one
-    process, without Ray."""
-
-    model_config = _SECTION
-
-    rollout_workers: int = Field(
-        1, ge=1, description="Rollout engines, each in a Ray actor; each step's prompts are split "
-        "into contiguous shards over them and the results joined in prompt order (the same tokens "
-        "as one engine). 1 = the engine runs in this process and Ray is not used.",
-    )
-    learner_ranks: int = Field(
-        1, ge=1, description="Learner processes on this machine joined by torch.distributed "
-        "(gloo); each takes its share of the micro-batches and the gradients are summed, so M "
-        "ranks make the update of one within float rounding. 1 = the learner runs in this "
-        "process. Does not need Ray.",
-    )
-    address: str | None = Field(
-        None, min_length=1, description="Ray cluster the rollout workers run on: 'auto' (the one "
-        "`ray start` runs on this machine) or 'ray://host:port'. Default: start a local Ray "
-        "with this machine's CPUs.",
-    )
 
 
 class RunConfig(BaseModel):

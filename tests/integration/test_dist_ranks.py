@@ -16,10 +16,12 @@ from safetensors.torch import load_file
 from qarl.train import train
 from qarl.train.checkpoint import latest
 
-# Measured (docs/distributed.md): max |w_2 - w_1| over every master weight after 3 steps.
-# The two runs differ only in the order of the gradient sums (float32 rounding, ~1e-7
-# relative); Adam turns that into ~lr * 1e-6 per step.
-TOLERANCE = 1e-6
+# Measured (docs/distributed.md): max |w_2 - w_1| = 3.3e-6 over every master weight after
+# these 3 steps (same rollouts, same rewards). The runs differ only in the order of the
+# gradient sums (~1e-7 relative), but Adam divides each coordinate by its own gradient
+# scale, so a coordinate whose gradient is at rounding-noise level moves by a visible
+# fraction of lr (3e-4) either way. 1e-5 = lr / 30 leaves 3x headroom over the measurement.
+TOLERANCE = 1e-5
 
 
 def _final_weights(tmp_path, ranks: int) -> dict[str, torch.Tensor]:

@@ -120,7 +120,7 @@ def loss_setup(algo: AlgoSection, exp: Experience) -> tuple[Correction, dict]:
 
 
 def update_policy(policy: Policy, optimizers: list[torch.optim.Optimizer], exp: Experience,
-                  algo: AlgoSection, train: TrainSection, step: int, group=None) -> dict[str, float]:
+                  algo: AlgoSection, train: TrainSection, step: int) -> dict[str, float]:
     """`algo.epochs` epochs; each accumulates every micro-batch, then takes one optimizer step.
 
     The loss is aggregated with counts of the WHOLE batch (global_counts), so how the batch
@@ -129,10 +129,11 @@ def update_policy(policy: Policy, optimizers: list[torch.optim.Optimizer], exp: 
     Guards: no advantage to learn from (every one 0) is a no-op (`guard/no_signal`); a
     non-finite loss or gradient drops the epoch's step and ends the update
     (`guard/nonfinite`): weights and optimizer state stay as they were.
-    `group` (a `qarl.train.ranks.RankGroup`, every rank calling this with the same `exp`): this
-    rank computes its share of the micro-batches; gradients, the finite flag and the metrics
-    are summed over the ranks before the optimizer step.
+    With learner ranks (`policy.ranks`, a `qarl.train.ranks.RankGroup`; every rank calls this
+    with the same `exp`) this rank computes its share of the micro-batches; gradients, the
+    finite flag and the metrics are summed over the ranks before the optimizer step.
     """
+    group = policy.ranks
     lr = learning_rate(step, train.steps, train.lr, train.min_lr, train.warmup_steps, train.lr_schedule)
     if not bool(exp.advantages[exp.rows].any()):
         # Every loss is advantage-weighted: its gradient is exactly 0, so nothing to compute.

@@ -125,8 +125,8 @@ class RankGroup:
 class Replica:
     """A follower's learner with what `update_policy` reads of a `Policy`."""
 
-    def __init__(self, learner: CausalLM, scorer: LocalEngine):
-        self.learner, self.scorer = learner, scorer
+    def __init__(self, learner: CausalLM, scorer: LocalEngine, ranks: RankGroup):
+        self.learner, self.scorer, self.ranks = learner, scorer, ranks
 
     def replay(self, batch, sampling):
         return self.scorer.score(batch, sampling)
@@ -163,10 +163,10 @@ def follower(rank: int, world: int, init_file: str, config: RunConfig) -> None:
     group = RankGroup(rank, world)
     try:
         share_state(group, learner, optimizers)
-        replica = Replica(learner, scorer)
+        replica = Replica(learner, scorer, group)
         while (message := group.broadcast(None)) is not None:
             exp, step = message
-            update_policy(replica, optimizers, exp, config.algo, train, step, group)
+            update_policy(replica, optimizers, exp, config.algo, train, step)
     except LearnerRankDied:
         sys.exit(1)  # rank 0 stopped (it says why, and saves what it can)
     dist.destroy_process_group()

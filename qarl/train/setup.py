@@ -81,6 +81,7 @@ class Policy:
     scorer: LocalEngine  # the engine's decode path around the LEARNER model
     sync: WeightSync  # learner -> engine weight push
     quantized: bool  # False when the scheme is the identity (full-precision rollouts)
+    ranks: object = None  # qarl.train.ranks.RankGroup of rank 0 when dist.learner_ranks > 1
 
     def replay(self, batch: RolloutBatch, sampling: SamplingParams) -> Tensor:
         """The learner's logprobs of the sampled tokens, [N, L] float32 (no grad), through

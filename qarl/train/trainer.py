@@ -32,7 +32,7 @@ from qarl.train.phases import (
     Experience, PhaseTimer, compute_advantages, reward_metrics, sample_metrics, score_responses,
     train_examples, update_policy,
 )
-from qarl.train.ranks import LearnerRankDied, RankGroup, learner_ranks
+from qarl.train.ranks import LearnerRankDied, learner_ranks
 from qarl.train.resume import resume_point
 from qarl.train.setup import Data, Policy, open_run, sampling_params
 from qarl.train.sft import warm_start
@@ -41,11 +41,11 @@ from qarl.train.summary import finish_run
 
 
 def rl_step(policy: Policy, data: Data, optimizers: list[torch.optim.Optimizer],
-            config: RunConfig, step: int, group: RankGroup | None = None) -> dict[str, float]:
+            config: RunConfig, step: int) -> dict[str, float]:
     """One RL step (0-based `step`): sample, score, update the learner, push it to the engine.
     Returns the step's metrics (docs/training.md, "What a run logs"). A stop signal ends it
     (StopRequested) only before the update starts: after, the step runs to its end. With
-    learner ranks (`group`), the experience goes to every rank and each updates on its share."""
+    learner ranks (`policy.ranks`), the experience goes to every rank, each updates on its share."""
     timer = PhaseTimer()
     G, seed = config.rollout.group_size, config.run.seed
     sampling = sampling_params(config.rollout)
@@ -63,9 +63,9 @@ def rl_step(policy: Policy, data: Data, optimizers: list[torch.optim.Optimizer],
     exp = Experience(batch, sampling, old_logp, advantages, rows)
     check_stop()
     with timer("update"):
-        if group is not None:
-            group.broadcast((exp, step))
-        update = update_policy(policy, optimizers, exp, config.algo, config.train, step, group)
+        if policy.ranks is not None:
+            policy.ranks.broadcast((exp, step))
+        update = update_policy(policy, optimizers, exp, config.algo, config.train, step)
     with timer("sync"):
         sync = policy.sync.push()
     generated = int(batch.response_mask.sum())
@@ -93,7 +93,7 @@ def train(recipe: str | Path | Mapping | RunConfig | None = None,
         loop = Loop(config, folder.path, policy, data, optimizers)
         loop.start(resume_from)
         try:
-            with learner_ranks(config, policy.learner, optimizers) as loop.group:
+            with learner_ranks(config, policy.learner, optimizers) as policy.ranks:
                 before, after = loop.run()
         finally:
             loop.log.close()
@@ -112,7 +112,6 @@ class Loop:
         self.optimizers = optimizers
         self.guard = BadStepGuard(config.train.max_bad_steps)
         self.done, self.saved = 0, None  # steps finished; the newest checkpoint, if any
-        self.group: RankGroup | None = None  # rank 0's learner-rank group (dist.learner_ranks > 1)
 
     def start(self, resume_from: Path | None) -> None:
         """Restore the checkpoint (weights, optimizer, RNG, metrics so far) or start over."""
@@ -141,7 +140,7 @@ class Loop:
             if self.eval_due():  # a resumed run redoes the eval its checkpoint came before
                 self.evaluate()
             for step in range(self.done, steps):
-                metrics = rl_step(self.policy, self.data, self.optimizers, config, step, self.group)
+                metrics = rl_step(self.policy, self.data, self.optimizers, config, step)
                 self.log.log(step + 1, metrics)
                 self.done, self.rng = step + 1, checkpoint.capture_rng()
                 self.guard.update(self.done, metrics, self.saved)

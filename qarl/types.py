@@ -87,3 +87,24 @@ class RolloutBatch:
             rollout_logp=self.rollout_logp[index],
             finish_reasons=[self.finish_reasons[i] for i in rows],
         )
+
+
+def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+    """The rows of `batches` in order, as one batch: prompts left-padded and responses
+    right-padded (with `pad_id`, mask False, logprob 0) to the widest of them."""
+    P = max(b.prompt_ids.shape[1] for b in batches)
+    L = max(b.response_ids.shape[1] for b in batches)
+
+    def pad(x, width, value, left):
+        extra = width - x.shape[1]
+        filler = torch.full((x.shape[0], extra), value, dtype=x.dtype)
+        return torch.cat([filler, x] if left else [x, filler], dim=1)
+
+    return RolloutBatch(
+        prompt_ids=torch.cat([pad(b.prompt_ids, P, pad_id, True) for b in batches]),
+        prompt_mask=torch.cat([pad(b.prompt_mask, P, False, True) for b in batches]),
+        response_ids=torch.cat([pad(b.response_ids, L, pad_id, False) for b in batches]),
+        response_mask=torch.cat([pad(b.response_mask, L, False, False) for b in batches]),
+        rollout_logp=torch.cat([pad(b.rollout_logp, L, 0.0, False) for b in batches]),
+        finish_reasons=[r for b in batches for r in b.finish_reasons],
+    )

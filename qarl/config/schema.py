@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from qarl.config.compare_schema import CompareSection
+from qarl.config.dist_schema import DistSection
 
 # Strict: a recipe is typed TOML, so "32" is not an int and true is not a number. Ints are
 # still accepted where a float is expected (lr = 1 is fine).
@@ -387,6 +388,7 @@ class RunConfig(BaseModel):
     eval: EvalSection = Field(default_factory=EvalSection)
     sft: SftSection = Field(default_factory=SftSection)
     log: LogSection = Field(default_factory=LogSection)
+    dist: DistSection = Field(default_factory=DistSection)
     compare: CompareSection | None = None  # optional: None when the recipe has no [compare]
 
 

@@ -30,7 +30,7 @@ from torch import Tensor
 from qarl.model.cache import KVCache
 from qarl.model.decoder import CausalLM
 from qarl.rollout.plan import DecodePlan, DecodePlanner
-from qarl.rollout.sampling import sample, sampler_logprobs
+from qarl.rollout.sampling import row_uniforms, sample, sampler_logprobs
 from qarl.types import FINISH_LENGTH, FINISH_STOP, RolloutBatch, SamplingParams
 
 # Compact the batch once the rows still decoding are at most this fraction of the cache rows.
@@ -127,22 +127,27 @@ class LocalEngine:
             return self._planner.paths(self.model)
 
     def generate(
-        self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int
+        self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int,
+        row_offset: int = 0, prompt_width: int = 0,
     ) -> RolloutBatch:
         """Sample one response per prompt. Same seed, same model, same prompts: same tokens.
+        Prompt i draws from the stream of row `row_offset + i` (`qarl.rollout.sampling`).
+        Prompts are left-padded to at least `prompt_width` columns: a shard of a batch padded
+        like the whole batch computes each row bit for bit as the whole batch does (the
+        kernels are batch-invariant, but attention over a different number of pad slots is not).
 
         `rollout_logp` is the log-probability of each drawn token under exactly the
         distribution it was drawn from (after temperature, top-k and top-p, renormalized); for
         greedy decoding it is the log-softmax of the raw logits. See `qarl.rollout.sampling`.
         """
         device = self.model.model.embed_tokens.weight.device
-        ids, prompt_mask = self._left_pad(prompt_ids, device)  # [N, P] each
+        ids, prompt_mask = self._left_pad(prompt_ids, device, prompt_width)  # [N, P] each
         budget = self._response_budget(ids.shape[1], sampling.max_new_tokens)
-        generator = torch.Generator(device=device).manual_seed(seed)
+        uniforms = None if sampling.greedy else row_uniforms(seed, row_offset, len(ids), budget)
         with torch.inference_mode():
             plan = self._planner.plan(self.model, batch_hint=len(prompt_ids))
             response, logp, mask, stopped = self._decode(
-                plan, ids, prompt_mask, budget, sampling, generator
+                plan, ids, prompt_mask, budget, sampling, uniforms
             )
         length = int(mask.sum(dim=1).max())  # the longest response sets L
         return RolloutBatch(
@@ -178,9 +183,10 @@ class LocalEngine:
             )
         return logp
 
-    def _decode(self, plan, ids, prompt_mask, budget, sampling, generator, forced=None):
-        """The generation loop on `plan`. ids, prompt_mask: [N, P]; forced: [N, budget] int64 tokens to
-        feed instead of sampling (scoring), or None. Returns response [N, budget] int64,
+    def _decode(self, plan, ids, prompt_mask, budget, sampling, uniforms, forced=None):
+        """The generation loop on `plan`. ids, prompt_mask: [N, P]; uniforms: [N, budget]
+        float64 (None when greedy or scoring); forced: [N, budget] int64 tokens to feed
+        instead of sampling (scoring), or None. Returns response [N, budget] int64,
         logp [N, budget] float32, mask [N, budget] bool, stopped [N] bool."""
         N, P = ids.shape
         device = ids.device
@@ -205,7 +211,8 @@ class LocalEngine:
         for t in range(budget):
             self.stop_check()
             if forced is None:
-                tokens, token_logp = sample(logits, sampling, generator)  # [B] each
+                u = None if uniforms is None else uniforms[rows.cpu(), t]  # [B] float64
+                tokens, token_logp = sample(logits, sampling, u)  # [B] each
             else:
                 tokens = forced[rows, t]  # [B]
                 token_logp = sampler_logprobs(logits, tokens, sampling)  # [B]
@@ -230,16 +237,17 @@ class LocalEngine:
             next_position += 1
         return response, logp, mask, stopped
 
-    def _left_pad(self, prompt_ids: list[list[int]], device) -> tuple[Tensor, Tensor]:
-        return left_pad(prompt_ids, self.model.config.vocab_size, self.pad_token_id, device)
+    def _left_pad(self, prompt_ids: list[list[int]], device, width: int = 0) -> tuple[Tensor, Tensor]:
+        return left_pad(prompt_ids, self.model.config.vocab_size, self.pad_token_id, device, width)
 
     def _response_budget(self, prompt_len: int, max_new_tokens: int) -> int:
         return response_budget(self.max_context, prompt_len, max_new_tokens)
 
 
 def left_pad(prompt_ids: list[list[int]], vocab: int, pad_token_id: int,
-             device=None) -> tuple[Tensor, Tensor]:
-    """Validate and left-pad: -> ids [N, P] int64, prompt_mask [N, P] bool."""
+             device=None, width: int = 0) -> tuple[Tensor, Tensor]:
+    """Validate and left-pad to P = max(longest prompt, width) columns: -> ids [N, P] int64,
+    prompt_mask [N, P] bool."""
     if len(prompt_ids) == 0:
         raise ValueError("generate() got an empty prompt list; pass at least one prompt")
     lengths = [len(p) for p in prompt_ids]
@@ -258,7 +266,7 @@ def left_pad(prompt_ids: list[list[int]], vocab: int, pad_token_id: int,
             f"prompt {row} contains token id {int(flat[first])} outside the model "
             f"vocabulary [0, {vocab}); tokenize with the tokenizer of this model"
         )
-    P = max(lengths)
+    P = max(*lengths, width)
     length_t = torch.tensor(lengths)  # [N]
     prompt_mask = torch.arange(P)[None, :] >= P - length_t[:, None]  # [N, P] bool
     ids = torch.full((len(prompt_ids), P), pad_token_id, dtype=torch.long)

@@ -20,7 +20,8 @@ class Engine(Protocol):
     the same path, and takes new weights from the learner."""
 
     def generate(
-        self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int
+        self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int,
+        row_offset: int = 0, prompt_width: int = 0,
     ) -> RolloutBatch:
         """One response per prompt (token ids, no tokenization), as a `RolloutBatch`: prompts
         left-padded, responses right-padded, `finish_reasons` "stop" (an EOS or stop id, kept
@@ -28,6 +29,12 @@ class Engine(Protocol):
 
         Determinism: the same weights, prompts, sampling and seed give the same batch, bit
         for bit; the seed is the only source of randomness (no global RNG is read or moved).
+        Prompt i's response draws from a stream derived from (seed, row_offset + i) alone, so
+        a batch split into shards (each called with its first row's index as row_offset)
+        samples the tokens of the whole batch (`qarl.dist.RayEngines` relies on it).
+        `prompt_width`: the least number of prompt columns (the whole batch's width when a
+        shard is generated), so every shard pads like the whole batch; an engine without
+        padded batches ignores it.
 
         `rollout_logp` [N, L] float32 is, for each response token, the log-probability of that
         token under exactly the distribution it was drawn from: softmax(logits / temperature)

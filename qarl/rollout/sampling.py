@@ -11,6 +11,10 @@ What `sample` reports as the sampler logprob of each drawn token:
 - greedy: `token_logprobs(logits, tokens, 1.0)`, the log-softmax of the raw logits (the
   argmax "distribution" would give 0 everywhere, which says nothing about the policy).
 Everything is computed in float32 whatever the model dtype (bf16 logits are upcast first).
+
+Randomness is per response (`row_uniforms`): row r of a `generate(..., seed)` call draws its
+step-t token with the t-th uniform of a stream seeded from (seed, r), so splitting a batch
+over engines (`qarl.dist`) samples exactly the tokens of one engine.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from torch import Tensor
 
 from qarl import native
 from qarl.types import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
 
 def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
     """Log-probability of `tokens` under softmax(logits / temperature), in float32.
@@ -93,18 +100,37 @@ def inverse_cdf(logits: Tensor, u: Tensor, temperature: float = 1.0) -> Tensor:
     return torch.minimum(tokens, last)
 
 
-def sample(
-    logits: Tensor, sampling: SamplingParams, generator: torch.Generator
-) -> tuple[Tensor, Tensor]:
+def row_seed(seed: int, row: int) -> int:
+    """The seed of one response's random stream: a 64-bit mix (splitmix64's finalizer) of the
+    call's seed and the row's index in the whole batch, so a row draws the same numbers
+    whichever engine, shard or batch position it lands in."""
+    z = (seed * 0x9E3779B97F4A7C15 + row + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1  # 63 bits: torch.Generator seeds are signed int64
+
+
+def row_uniforms(seed: int, first_row: int, num_rows: int, steps: int) -> Tensor:
+    """The uniforms of rows first_row .. first_row + num_rows - 1 for `steps` decode steps:
+    [num_rows, steps] float64 in [0, 1), row r's from its own generator seeded with
+    `row_seed(seed, r)`. A row's draws depend on (seed, r) only: not on the other rows, the
+    batch size or the step at which the batch was compacted."""
+    out = torch.empty(num_rows, steps, dtype=torch.float64)
+    for i in range(num_rows):
+        generator = torch.Generator().manual_seed(row_seed(seed, first_row + i))
+        torch.rand(steps, generator=generator, dtype=torch.float64, out=out[i])
+    return out
+
+
+def sample(logits: Tensor, sampling: SamplingParams, u: Tensor) -> tuple[Tensor, Tensor]:
     """Draw one token per row and report its sampler logprob (see the module docstring).
 
-    logits: [B, V] any float dtype -> (tokens [B] int64, logp [B] float32).
-    Randomness comes only from `generator`.
+    logits: [B, V] any float dtype; u: [B] float64, the rows' uniforms in [0, 1) (unused when
+    greedy) -> (tokens [B] int64, logp [B] float32). The uniforms are the only randomness.
     """
     if sampling.greedy:
         tokens = logits.argmax(dim=-1)
         return tokens, token_logprobs(logits, tokens, 1.0)
-    u = torch.rand(len(logits), generator=generator, dtype=torch.float64)  # [B]
     if sampling.top_k > 0 or sampling.top_p < 1.0:
         scaled = truncate_logits(logits.float() / sampling.temperature, sampling.top_k,
                                  sampling.top_p)  # [B, V] float32

@@ -134,11 +134,14 @@ class VLLMEngine:
     # ---- the contract ---------------------------------------------------------------------
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
-                 seed: int) -> RolloutBatch:
-        """One response per prompt (see the module docstring and `qarl.rollout.Engine`)."""
+                 seed: int, row_offset: int = 0, prompt_width: int = 0) -> RolloutBatch:
+        """One response per prompt (see the module docstring and `qarl.rollout.Engine`); row i
+        samples with the seed of row `row_offset + i`. `prompt_width` is accepted for the
+        contract and unused: vLLM does not pad prompts."""
         ids, prompt_mask = left_pad(prompt_ids, self.model.config.vocab_size, self.pad_token_id)
         budget = response_budget(self.max_context, ids.shape[1], sampling.max_new_tokens)
-        params = [self._params(sampling, budget, row_seed(seed, i)) for i in range(len(prompt_ids))]
+        params = [self._params(sampling, budget, row_seed(seed, row_offset + i))
+                  for i in range(len(prompt_ids))]
         outputs = self._run(prompt_ids, params)
         N = len(outputs)
         response = torch.full((N, budget), self.pad_token_id, dtype=torch.long)  # [N, budget]

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import torch
-
 from qarl.algo.diagnostics import error_token_metrics
 from qarl.config import EvalSection, RunConfig
 from qarl.model import CausalLM
 from qarl.rollout import LocalEngine
 from qarl.train.phases import reward_metrics, score_responses
 from qarl.train.setup import Data, Policy
-from qarl.types import RolloutBatch, SamplingParams
+from qarl.types import RolloutBatch, SamplingParams, concat_batches
 
 EVAL_CHUNK = 64  # prompts per generate call: bounds the KV cache at eval time
 
@@ -37,25 +35,6 @@ def generate_all(engine: LocalEngine, prompt_ids: list[list[int]], sampling: Sam
     batches = [engine.generate(prompt_ids[i : i + EVAL_CHUNK], sampling, seed=seed + i)
                for i in range(0, len(prompt_ids), EVAL_CHUNK)]
     return concat_batches(batches, engine.pad_token_id)
-
-
-def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
-    P = max(b.prompt_ids.shape[1] for b in batches)
-    L = max(b.response_ids.shape[1] for b in batches)
-
-    def pad(x, width, value, left):
-        extra = width - x.shape[1]
-        filler = torch.full((x.shape[0], extra), value, dtype=x.dtype)
-        return torch.cat([filler, x] if left else [x, filler], dim=1)
-
-    return RolloutBatch(
-        prompt_ids=torch.cat([pad(b.prompt_ids, P, pad_id, True) for b in batches]),
-        prompt_mask=torch.cat([pad(b.prompt_mask, P, False, True) for b in batches]),
-        response_ids=torch.cat([pad(b.response_ids, L, pad_id, False) for b in batches]),
-        response_mask=torch.cat([pad(b.response_mask, L, False, False) for b in batches]),
-        rollout_logp=torch.cat([pad(b.rollout_logp, L, 0.0, False) for b in batches]),
-        finish_reasons=[r for b in batches for r in b.finish_reasons],
-    )
 
 
 def evaluate(policy: Policy, data: Data, config: RunConfig) -> dict[str, float]:

@@ -129,7 +129,11 @@ def update_policy(policy: Policy, optimizers: list[torch.optim.Optimizer], exp: 
     Guards: no advantage to learn from (every one 0) is a no-op (`guard/no_signal`); a
     non-finite loss or gradient drops the epoch's step and ends the update
     (`guard/nonfinite`): weights and optimizer state stay as they were.
+    With learner ranks (`policy.ranks`, a `qarl.train.ranks.RankGroup`; every rank calls this
+    with the same `exp`) this rank computes its share of the micro-batches; gradients, the
+    finite flag and the metrics are summed over the ranks before the optimizer step.
     """
+    group = policy.ranks
     lr = learning_rate(step, train.steps, train.lr, train.min_lr, train.warmup_steps, train.lr_schedule)
     if not bool(exp.advantages[exp.rows].any()):
         # Every loss is advantage-weighted: its gradient is exactly 0, so nothing to compute.
@@ -147,7 +151,12 @@ def update_policy(policy: Policy, optimizers: list[torch.optim.Optimizer], exp: 
         # the policy that old_logp replayed; later epochs replay once with the updated weights.
         exact = exp.old_logp if epoch == 0 else policy.replay(exp.batch, exp.sampling)
         entropy_sum, entropy_count, finite = accumulate_gradients(
-            policy.learner, exp, exact, algo, correction, params, train.micro_batch_size, totals)
+            policy.learner, exp, exact, algo, correction, params, train.micro_batch_size, totals,
+            group)
+        if group is not None:
+            finite = group.all_true(finite)
+            group.sum_gradients(policy.learner)
+            entropy_sum, entropy_count = group.sum_floats([entropy_sum, entropy_count])
         if epoch == 0:
             totals["policy/entropy"] = entropy_sum / max(1, entropy_count)
         grad_norm, outcome = optimizer_step(policy.learner, optimizers, train.grad_clip, finite)
@@ -156,6 +165,9 @@ def update_policy(policy: Policy, optimizers: list[torch.optim.Optimizer], exp: 
             totals["guard/nonfinite"] = 1.0
             break
     policy.learner.eval()
+    if group is not None:
+        totals = {**group.sum_metrics({k: v for k, v in totals.items() if k.startswith("loss/")}),
+                  **{k: v for k, v in totals.items() if not k.startswith("loss/")}}
     totals.update(metrics_to_floats({f"correction/{k}": v for k, v in correction.metrics.items()}))
     totals["policy/grad_norm"] = grad_norm
     totals["policy/lr"] = lr
@@ -165,13 +177,15 @@ def update_policy(policy: Policy, optimizers: list[torch.optim.Optimizer], exp: 
 
 def accumulate_gradients(learner, exp: Experience, exact: Tensor, algo: AlgoSection,
                          correction: Correction, params: dict, micro_batch_size: int,
-                         totals: dict[str, float]) -> tuple[float, int, bool]:
-    """One epoch's backward passes, micro-batch by micro-batch; adds each loss metric (weighted
-    by its share of the rows and epochs) to `totals`. Returns (entropy sum, response tokens,
-    every loss finite); stops at the first non-finite loss."""
+                         totals: dict[str, float], group=None) -> tuple[float, int, bool]:
+    """One epoch's backward passes, micro-batch by micro-batch (with a rank `group`, this
+    rank's share of them); adds each loss metric (weighted by its share of the rows and
+    epochs) to `totals`. Returns (entropy sum, response tokens, every loss finite); stops at
+    the first non-finite loss."""
     batch, N = exp.batch, exp.batch.num_sequences
     entropy_sum, entropy_count = 0.0, 0
-    for start in range(0, N, micro_batch_size):
+    starts = range(0, N, micro_batch_size)
+    for start in starts if group is None else group.micro_batches(starts):
         idx = torch.arange(start, min(N, start + micro_batch_size))
         sub = batch.select(idx)
         fast, entropy = response_logprobs(learner, sub, exp.sampling.temperature)

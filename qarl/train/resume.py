@@ -2,10 +2,11 @@
 
 A resumed run continues the same run: its recipe must be the one its checkpoint was saved
 with, except for RESUME_FREE keys, which do not change what a step computes (beyond the last
-bits, for train.micro_batch_size) or only say how long to train: `train.steps` (with a
-decaying lr_schedule, the lr of the remaining steps follows the new length). Anything else
-is refused with the differences listed: a run half with one recipe and half with another
-is not the run either recipe describes.
+bits, for train.micro_batch_size and dist.learner_ranks; dist.rollout_workers not at all)
+or only say how long to train: `train.steps` (with a decaying lr_schedule, the lr of the
+remaining steps follows the new length). Anything else is refused with the differences
+listed: a run half with one recipe and half with another is not the run either recipe
+describes.
 
 `qarl train --resume RUN_DIR` (`resume_config`) reads RUN_DIR/config.toml, the resolved recipe
 the run started with; `qarl train RECIPE` with run.resume = true (the default) resumes too,
@@ -22,7 +23,7 @@ from qarl.train import checkpoint
 
 RESUME_FREE = ("train.steps", "train.micro_batch_size", "train.checkpoint_every",
                "train.keep_checkpoints", "train.max_bad_steps", "run.output_dir", "run.name",
-               "run.resume", "log.")
+               "run.resume", "log.", "dist.")
 
 
 def _free(key: str) -> bool:

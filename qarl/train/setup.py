@@ -20,6 +20,7 @@ import fcntl
 import sys
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import IO, Iterator
 
@@ -75,16 +76,23 @@ class Policy:
     """The policy pair: the learner, the engine that samples, and what connects them."""
 
     learner: CausalLM  # master weights; QuantLinear in the align mode (none when naive)
-    engine: Engine  # samples with the quantized copy: LocalEngine, or VLLMEngine (rollout.engine)
+    engine: Engine  # samples with the quantized copy: a LocalEngine, a VLLMEngine
+    # (rollout.engine), or qarl.dist.RayEngines of local engines (dist.rollout_workers > 1)
     scorer: LocalEngine  # the engine's decode path around the LEARNER model
     sync: WeightSync  # learner -> engine weight push
     quantized: bool  # False when the scheme is the identity (full-precision rollouts)
+    ranks: object = None  # qarl.train.ranks.RankGroup of rank 0 when dist.learner_ranks > 1
 
     def replay(self, batch: RolloutBatch, sampling: SamplingParams) -> Tensor:
         """The learner's logprobs of the sampled tokens, [N, L] float32 (no grad), through
         the engine's own decode path on the whole batch (qarl.train.learner's docstring says
         why this, and not a full-sequence forward, gives exact values)."""
         return self.scorer.score(batch, sampling)
+
+    def close(self) -> None:
+        """End the rollout workers' actors, if the engine has any."""
+        if hasattr(self.engine, "close"):
+            self.engine.close()
 
 
 @dataclass
@@ -146,26 +154,41 @@ def quantize_learner(learner: CausalLM, quant: QuantSection) -> CausalLM:
     return learner
 
 
+def build_engine(config: RunConfig) -> LocalEngine:
+    """The rollout engine of `config` built from the model files, as each Ray rollout worker
+    builds its own (the trainer's first weight push then replaces all its weights)."""
+    model = load_model(config.model.name, dtype=DTYPES[config.model.master_dtype])
+    return LocalEngine.from_tokenizer(engine_copy(model, config.quant),
+                                      load_tokenizer(config.model.name),
+                                      max_context=config.model.max_context)
+
+
 def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | None = None,
                  run_dir: Path | None = None) -> Policy:
     """The policy pair; `learner`, when given, replaces loading `model.name` (warm start).
     With rollout.engine = 'vllm' the engine is a VLLMEngine whose starting policy is written
-    to run_dir / "vllm_policy"."""
+    to run_dir / "vllm_policy"; with dist.rollout_workers > 1, Ray actors of local engines."""
     if learner is None:
         learner = load_model(config.model.name, dtype=DTYPES[config.model.master_dtype])
-    engine_model = engine_copy(learner, config.quant)  # copied before the learner is quantized
-    quantize_learner(learner, config.quant)
     max_context = config.model.max_context
-    if config.rollout.engine == "vllm":
+    if config.dist.rollout_workers > 1:
+        from qarl.dist import RayEngines, connect  # Ray only when the recipe asks for it
+
+        connect(config.dist.address)
+        engine = RayEngines(partial(build_engine, config), config.dist.rollout_workers)
+    elif config.rollout.engine == "vllm":
         from qarl.rollout.vllm_engine import VLLMEngine  # imports vllm: only when asked for
 
         # vLLM reserves KV cache for one request of the full context: bound it by the recipe
         longest = config.task.max_prompt_tokens + max(config.rollout.max_new_tokens,
                                                       config.eval.max_new_tokens)
-        engine = VLLMEngine.from_tokenizer(engine_model, tokenizer, Path(run_dir) / "vllm_policy",
+        engine = VLLMEngine.from_tokenizer(engine_copy(learner, config.quant), tokenizer,
+                                           Path(run_dir) / "vllm_policy",
                                            max_context=max_context or longest, seed=config.run.seed)
     else:
+        engine_model = engine_copy(learner, config.quant)  # copied before the learner is quantized
         engine = LocalEngine.from_tokenizer(engine_model, tokenizer, max_context=max_context)
+    quantize_learner(learner, config.quant)
     scorer = LocalEngine.from_tokenizer(learner, tokenizer, max_context=max_context)
     return Policy(learner, engine, scorer, WeightSync(learner, engine),
                   quantized=not SCHEMES[config.quant.scheme].is_identity)
@@ -227,6 +250,6 @@ def open_run(config: RunConfig, learner: CausalLM | None = None) -> Iterator[tup
     with closing(open_run_folder(config)) as folder:
         torch.manual_seed(config.run.seed)
         tokenizer = load_tokenizer(config.model.name)
-        policy = build_policy(config, tokenizer, learner, folder.path)
-        with closing(build_data(config, tokenizer, folder.path)) as data:
+        with closing(build_policy(config, tokenizer, learner, folder.path)) as policy, \
+                closing(build_data(config, tokenizer, folder.path)) as data:
             yield folder, policy, data

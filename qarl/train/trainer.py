@@ -32,6 +32,7 @@ from qarl.train.phases import (
     Experience, PhaseTimer, compute_advantages, reward_metrics, sample_metrics, score_responses,
     train_examples, update_policy,
 )
+from qarl.train.ranks import LearnerRankDied, learner_ranks
 from qarl.train.resume import resume_point
 from qarl.train.setup import Data, Policy, open_run, sampling_params
 from qarl.train.sft import warm_start
@@ -43,7 +44,8 @@ def rl_step(policy: Policy, data: Data, optimizers: list[torch.optim.Optimizer],
             config: RunConfig, step: int) -> dict[str, float]:
     """One RL step (0-based `step`): sample, score, update the learner, push it to the engine.
     Returns the step's metrics (docs/training.md, "What a run logs"). A stop signal ends it
-    (StopRequested) only before the update starts: after, the step runs to its end."""
+    (StopRequested) only before the update starts: after, the step runs to its end. With
+    learner ranks (`policy.ranks`), the experience goes to every rank, each updates on its share."""
     timer = PhaseTimer()
     G, seed = config.rollout.group_size, config.run.seed
     sampling = sampling_params(config.rollout)
@@ -61,6 +63,8 @@ def rl_step(policy: Policy, data: Data, optimizers: list[torch.optim.Optimizer],
     exp = Experience(batch, sampling, old_logp, advantages, rows)
     check_stop()
     with timer("update"):
+        if policy.ranks is not None:
+            policy.ranks.broadcast((exp, step))
         update = update_policy(policy, optimizers, exp, config.algo, config.train, step)
     with timer("sync"):
         sync = policy.sync.push()
@@ -89,7 +93,8 @@ def train(recipe: str | Path | Mapping | RunConfig | None = None,
         loop = Loop(config, folder.path, policy, data, optimizers)
         loop.start(resume_from)
         try:
-            before, after = loop.run()
+            with learner_ranks(config, policy.learner, optimizers) as policy.ranks:
+                before, after = loop.run()
         finally:
             loop.log.close()
         summary = finish_run(folder.path, config.log, before, after)
@@ -150,6 +155,11 @@ class Loop:
             if self.saved != checkpoint.step_folder(self.run_dir, self.done):
                 self.save()
             raise RunStopped(stop.signum, self.saved, self.run_dir) from None
+        except LearnerRankDied as err:
+            raise TrainingAborted(
+                f"step {self.done + 1}: {err}. The last checkpoint is intact ("
+                f"{self.saved or 'none yet'}): continue with qarl train --resume {self.run_dir}"
+            ) from err
         except RuntimeError as err:
             if is_out_of_memory(err):
                 raise TrainingAborted(out_of_memory_message(

@@ -184,12 +184,14 @@ def test_a_nan_loss_skips_its_step_and_the_run_goes_on(tmp_path, monkeypatch):
 
 
 def test_bad_steps_in_a_row_abort_with_a_message(tmp_path, monkeypatch):
-    """NaN in every step with train.max_bad_steps = 2: the run aborts at step 2 with a
-    message saying what to check; the checkpoint of step 1 (unchanged weights) is intact."""
+    """NaN in every step with train.max_bad_steps = 2: step 1's samples have no reward spread
+    (no loss is computed: a no-op, not a bad step), so steps 2 and 3 are two bad steps in a
+    row and the run aborts at step 3 with a message saying what to check; the checkpoint of
+    step 2 (weights unchanged since step 1) is intact."""
     _plant_nan(monkeypatch, set(range(STEPS)))
-    with pytest.raises(TrainingAborted, match=r"2 steps in a row \(steps 1-2\).*train.lr"):
+    with pytest.raises(TrainingAborted, match=r"2 steps in a row \(steps 2-3\).*train.lr"):
         train("tiny", _in_process(tmp_path, **{"train.max_bad_steps": 2}))
-    assert checkpoint.latest(tmp_path / "tiny").name == "step_000001"
+    assert checkpoint.latest(tmp_path / "tiny").name == "step_000002"
 
 
 def test_out_of_memory_stops_with_the_settings_to_lower(tmp_path, monkeypatch):

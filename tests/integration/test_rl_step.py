@@ -14,6 +14,9 @@ from qarl.train.sft import warm_start
 from qarl.train.trainer import rl_step
 
 PHASES = ["generate", "reward", "old_logp", "update", "sync"]
+# Step 1, not 0: its 8 samples have a reward spread (step 0's all score 0, and a step without
+# signal takes no update to check).
+STEP = 1
 
 
 def _config(tmp_path, **extra):
@@ -31,7 +34,7 @@ def test_step_pushes_the_updated_learner_to_the_engine(tmp_path):
         optimizers = build_optimizer(policy.learner, "adamw", config.train.lr)
         pushed_before = {k: v.codes.clone() for k, v in export_state(policy.learner).items()
                          if isinstance(v, QWeight)}
-        metrics = rl_step(policy, data, optimizers, config, step=0)
+        metrics = rl_step(policy, data, optimizers, config, step=STEP)
         learner_codes = export_state(policy.learner)
         engine_layers = quant_layers(policy.engine.model)
     assert engine_layers and set(engine_layers) == set(quant_layers(policy.learner))
@@ -59,5 +62,5 @@ def test_every_exact_logp_is_one_whole_batch_replay(tmp_path):
 
         policy.replay = counting_replay
         optimizers = build_optimizer(policy.learner, "adamw", config.train.lr)
-        rl_step(policy, data, optimizers, config, step=0)
+        rl_step(policy, data, optimizers, config, step=STEP)
     assert replayed_rows == [config.rollout.batch_size] * 3

@@ -61,28 +61,31 @@ def test_run_leaves_its_artifacts(tiny_run, tmp_path):
 
 
 def _one_update(config, micro_batch_size):
-    """Weights before and after one RL step (`rl_step`, step 0) of the warm-started tiny model
-    with this micro-batch size."""
+    """Weights before and after one RL step (`rl_step`, step 1: step 0's 8 samples all score
+    0) of the warm-started tiny model with this micro-batch size."""
     config = config.model_copy(update={"train": config.train.model_copy(
         update={"micro_batch_size": micro_batch_size})})
     with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
         optimizers = build_optimizer(policy.learner, "adamw", config.train.lr)
         before = {n: p.detach().clone() for n, p in policy.learner.named_parameters()}
-        metrics = rl_step(policy, data, optimizers, config, step=0)
+        metrics = rl_step(policy, data, optimizers, config, step=1)
         assert metrics["groups/all_equal_frac"] < 1.0, "no reward spread: the update would be trivial"
         assert metrics["policy/skipped_steps"] == 0
         return before, {n: p.detach().clone() for n, p in policy.learner.named_parameters()}
 
 
 def test_micro_batching_does_not_change_the_update(tmp_path):
-    """Micro-batch 4 x accumulation 2 gives the same update as micro-batch 8 x 1 (within 1e-6),
+    """Micro-batch 4 x accumulation 2 gives the same update as micro-batch 8 x 1 (within 2e-5 =
+    lr / 15; measured 5.1e-6 on this step: the gradients differ only in the order of their
+    float sums, ~1e-7 relative, but Adam divides each coordinate by its own gradient scale,
+    so coordinates whose gradient is near rounding noise move by a visible fraction of lr),
     and the update changes every parameter that should train."""
     config = load_config("tiny", _overrides(tmp_path, **{"rollout.batch_size": 8,
                                                          "train.micro_batch_size": 8}))
     before, whole = _one_update(config, 8)
     _, split = _one_update(config, 4)
     for name in whole:
-        assert torch.allclose(whole[name], split[name], atol=1e-6, rtol=0), name
+        assert torch.allclose(whole[name], split[name], atol=2e-5, rtol=0), name
     unchanged = [n for n in whole if torch.equal(whole[n], before[n])]
     assert unchanged == []
 

@@ -105,6 +105,10 @@ BAD_RECIPES = [
     ("tensorboard-value", ["--log.tensorboard=maybe"],
      ["log.tensorboard: should be 'auto' or a valid boolean", "(got 'maybe')"]),
     ("run-name-path", ["--run.name=a/b"], ["run.name: 'a/b' is not a plain folder name"]),
+    ("dist-address-alone", ["--dist.address=auto"],
+     ["dist.address: is 'auto' but rollout_workers is 1", "remove the address"]),
+    ("dist-too-many-ranks", ["--dist.learner_ranks=1000"],
+     ["dist.learner_ranks: 1000 is more than the", "micro-batches of a step"]),
     ("missing-train", '[task]\nname = "addition"\n', ["train.steps: required but missing"]),
 ]
 
@@ -129,6 +133,18 @@ def test_bad_recipe_message(recipe, fragments, base_toml, write_recipe):
     for fragment in fragments:
         assert fragment in lines[0], (fragment, lines)
         assert fragment in str(caught.value)
+
+
+def test_rollout_workers_without_ray_names_the_extra(base_toml, write_recipe, monkeypatch):
+    """dist.rollout_workers > 1 where Ray is not installed fails at load time and names the
+    extra to install."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"dist.rollout_workers: 2 needs Ray.*pip install 'qarl\[ray\]'"):
+        load_config(write_recipe(base_toml), ["--dist.rollout_workers=2"])
 
 
 def test_table_is_large_enough():

@@ -1,0 +1,35 @@
+"""The [dist] section of a recipe: how a run spreads over processes and machines
+(docs/distributed.md). Kept apart from schema.py, which imports it into `RunConfig.dist`;
+the same conventions hold (strict, frozen, every field described once).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_SECTION = ConfigDict(extra="forbid", strict=True, frozen=True)  # as every schema.py section
+
+
+class DistSection(BaseModel):
+    """Scale-out: rollout engines as Ray actors (the `qarl[ray]` extra), a data-parallel learner
+    over torch.distributed (docs/distributed.md). The defaults run everything in this one
+    process, without Ray."""
+
+    model_config = _SECTION
+
+    rollout_workers: int = Field(
+        1, ge=1, description="Rollout engines, each in a Ray actor; each step's prompts are split "
+        "into contiguous shards over them and the results joined in prompt order (the same tokens "
+        "as one engine). 1 = the engine runs in this process and Ray is not used.",
+    )
+    learner_ranks: int = Field(
+        1, ge=1, description="Learner processes on this machine joined by torch.distributed "
+        "(gloo); each takes its share of the micro-batches and the gradients are summed, so M "
+        "ranks make the update of one within float rounding. 1 = the learner runs in this "
+        "process. Does not need Ray.",
+    )
+    address: str | None = Field(
+        None, min_length=1, description="Ray cluster the rollout workers run on: 'auto' (the one "
+        "`ray start` runs on this machine) or 'ray://host:port'. Default: start a local Ray "
+        "with this machine's CPUs.",
+    )

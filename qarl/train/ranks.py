@@ -1,0 +1,213 @@
+"""Learner ranks: a data-parallel learner over `torch.distributed` (gloo), launched by qarl.
+
+With `dist.learner_ranks = M > 1` the trainer process is rank 0 and starts M - 1 follower
+processes (`python -m qarl.train.ranks`, given the resolved recipe: a fresh interpreter
+never re-runs the caller's script, as multiprocessing's spawn would). Each follower builds the learner as the trainer
+does (`load_model` + `quantize_learner`), takes rank 0's weights and optimizer state
+(broadcast once, after any warm start or resume), and then, every step:
+
+1. receives the step's `Experience` from rank 0 (samples, old_logp, advantages: rank 0 alone
+   generates, scores rewards, syncs the engine and writes checkpoints);
+2. runs `phases.update_policy` on it like rank 0, on its share of the micro-batches
+   (micro-batch j goes to rank j mod M); the loss is normalized by the WHOLE batch's token /
+   sequence counts (`global_counts`), so the gradients of all micro-batches add up to the
+   one-rank gradient;
+3. sums the gradients over ranks (`all_reduce`, one flat buffer) before clipping and the
+   optimizer step, which then run identically on every rank: the ranks' weights stay equal.
+
+Only the order of the floating-point sums differs from one rank; the measured effect is in
+docs/distributed.md. A rank that dies breaks rank 0's next collective: the run ends with
+`LearnerRankDied` (the trainer adds the last checkpoint, which a failed step never touches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from qarl.config import RunConfig, load_config, save_resolved
+from qarl.model import CausalLM, load_model, load_tokenizer
+from qarl.rollout import LocalEngine
+from qarl.train.optim import build_optimizer
+
+# Followers wait in a broadcast while rank 0 generates, scores and evaluates, which can take
+# hours on a CPU; a dead rank is noticed by its closed connection, not by this timeout.
+_TIMEOUT = timedelta(hours=24)
+
+
+class LearnerRankDied(RuntimeError):
+    """A learner rank stopped answering (its process died): the run cannot go on."""
+
+
+@dataclass
+class RankGroup:
+    """This process's place among the learner ranks, and the collectives of one update."""
+
+    rank: int
+    world: int
+    processes: tuple = ()  # rank 0: the followers' Popen objects (to name a dead one)
+
+    def micro_batches(self, starts: range) -> range:
+        """The micro-batch start rows this rank computes: every world-th, from its rank."""
+        return starts[self.rank :: self.world]
+
+    def sum_gradients(self, model: torch.nn.Module) -> None:
+        """Replace every parameter's gradient by its sum over the ranks (fp32 flat buffer);
+        a parameter without a gradient on every rank keeps none."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                          for p in params])  # [total parameters] float32
+        self._all_reduce(has_grad, dist.ReduceOp.MAX)
+        self._all_reduce(flat, dist.ReduceOp.SUM)
+        offset = 0
+        for p, present in zip(params, has_grad.tolist()):
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).to(p.dtype) if present else None
+            offset += n
+
+    def sum_floats(self, values: list[float]) -> list[float]:
+        """Element-wise sum over the ranks (float64)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        self._all_reduce(t, dist.ReduceOp.SUM)
+        return t.tolist()
+
+    def sum_metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        """Per-key sums of every rank's metric dict (ranks may miss keys: a rank that stopped
+        at a non-finite loss saw fewer micro-batches)."""
+        gathered: list = [None] * self.world
+        self._call(dist.all_gather_object, gathered, totals)
+        keys = sorted({k for d in gathered for k in d})
+        return {k: sum(d.get(k, 0.0) for d in gathered) for k in keys}
+
+    def all_true(self, flag: bool) -> bool:
+        t = torch.tensor([int(flag)], dtype=torch.int32)
+        self._all_reduce(t, dist.ReduceOp.MIN)
+        return bool(t.item())
+
+    def broadcast(self, obj):
+        """Rank 0's `obj` on every rank (pickled: the ranks are this run's own processes)."""
+        box = [obj]
+        self._call(dist.broadcast_object_list, box, src=0)
+        return box[0]
+
+    def _all_reduce(self, tensor: torch.Tensor, op) -> None:
+        self._call(dist.all_reduce, tensor, op=op)
+
+    def _call(self, collective, *args, **kwargs) -> None:
+        try:
+            collective(*args, **kwargs)
+        except (RuntimeError, dist.DistBackendError) as error:
+            raise LearnerRankDied(self._who_died(error)) from error
+
+    def _who_died(self, error: BaseException) -> str:
+        dead = [(r, p.poll()) for r, p in enumerate(self.processes, start=1)
+                if p.poll() is not None]
+        if dead:
+            ranks = ", ".join(f"rank {r} (exit code {code})" for r, code in dead)
+            return f"learner {ranks} of {self.world} died; its error, if any, is above"
+        return (f"rank {self.rank}'s collective failed ({str(error).splitlines()[0]}); another "
+                f"learner rank of {self.world} is gone")
+
+
+class Replica:
+    """A follower's learner with what `update_policy` reads of a `Policy`."""
+
+    def __init__(self, learner: CausalLM, scorer: LocalEngine, ranks: RankGroup):
+        self.learner, self.scorer, self.ranks = learner, scorer, ranks
+
+    def replay(self, batch, sampling):
+        return self.scorer.score(batch, sampling)
+
+
+def share_state(group: RankGroup, learner: CausalLM, optimizers: list) -> None:
+    """Rank 0's weights (every state-dict entry) and optimizer state on every rank."""
+    state = {name: t.detach().clone() for name, t in learner.state_dict().items()}
+    for t in state.values():
+        group._call(dist.broadcast, t, src=0)
+    opt_states = group.broadcast([opt.state_dict() for opt in optimizers])
+    if group.rank != 0:
+        learner.load_state_dict(state)
+        for opt, opt_state in zip(optimizers, opt_states):
+            opt.load_state_dict(opt_state)
+
+
+def follower(rank: int, world: int, init_file: str, config: RunConfig) -> None:
+    """A follower rank's whole life: join, build the learner, update until rank 0 says stop."""
+    from qarl.train.phases import update_policy
+    from qarl.train.setup import DTYPES, quantize_learner
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: rank 0 stops the run, then us
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=_TIMEOUT)
+    learner = quantize_learner(load_model(config.model.name, dtype=DTYPES[config.model.master_dtype]),
+                               config.quant)
+    scorer = LocalEngine.from_tokenizer(learner, load_tokenizer(config.model.name),
+                                        max_context=config.model.max_context)
+    train = config.train
+    optimizers = build_optimizer(learner, train.optimizer, train.lr, train.weight_decay,
+                                 tuple(train.betas))
+    group = RankGroup(rank, world)
+    try:
+        share_state(group, learner, optimizers)
+        replica = Replica(learner, scorer, group)
+        while (message := group.broadcast(None)) is not None:
+            exp, step = message
+            update_policy(replica, optimizers, exp, config.algo, train, step)
+    except LearnerRankDied:
+        sys.exit(1)  # rank 0 stopped (it says why, and saves what it can)
+    dist.destroy_process_group()
+
+
+@contextmanager
+def learner_ranks(config: RunConfig, learner: CausalLM, optimizers: list) -> Iterator[RankGroup | None]:
+    """None with one rank; else start the followers, share rank 0's state with them, yield
+    rank 0's group, and on exit tell the followers to stop and wait for them."""
+    world = config.dist.learner_ranks
+    if world == 1:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="qarl-ranks-") as tmp:
+        init_file = str(Path(tmp) / "init")
+        recipe = save_resolved(config, tmp)
+        processes = [subprocess.Popen([sys.executable, "-m", "qarl.train.ranks", str(r), str(world),
+                                       init_file, str(recipe)])
+                     for r in range(1, world)]
+        group = RankGroup(0, world, tuple(processes))
+        try:
+            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0,
+                                    world_size=world, timeout=_TIMEOUT)
+            share_state(group, learner, optimizers)
+            yield group
+            group.broadcast(None)  # the followers' loop ends
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            for p in processes:
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="A follower learner rank (started by qarl train).")
+    parser.add_argument("rank", type=int)
+    parser.add_argument("world", type=int)
+    parser.add_argument("init_file")
+    parser.add_argument("recipe")
+    args = parser.parse_args()
+    follower(args.rank, args.world, args.init_file, load_config(args.recipe))

@@ -1,0 +1,110 @@
+"""[dist] rollout workers on `tiny`: Ray actors sample exactly the tokens of one engine, also
+when an actor dies mid-generation. One Ray session (2 CPUs) serves the whole module."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import sys
+from functools import partial
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from qarl.config import load_config  # noqa: E402
+from qarl.dist import RayEngines  # noqa: E402
+from qarl.quant import export_state  # noqa: E402
+from qarl.train.phases import train_examples  # noqa: E402
+from qarl.train.setup import build_engine, open_run, sampling_params  # noqa: E402
+from qarl.train.sft import warm_start  # noqa: E402
+
+FIELDS = ["prompt_ids", "prompt_mask", "response_ids", "response_mask", "rollout_logp"]
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    handler = signal.getsignal(signal.SIGTERM)  # ray.init installs its own
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             object_store_memory=200 * 2**20)
+    # the dying engine below is defined here: ship it by value to the actors
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    ray.shutdown()
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _config(tmp_path, workers: int):
+    return load_config("tiny", {"run.output_dir": str(tmp_path), "run.name": f"w{workers}",
+                                "dist.rollout_workers": workers})
+
+
+def _step_prompts(config, data, step: int) -> list[list[int]]:
+    """The prompt list rl_step generates for `step` (each prompt group_size times)."""
+    G = config.rollout.group_size
+    examples = train_examples(data.task, config.run.seed, step, config.rollout.batch_size // G)
+    return [ids for ids in data.prompts.encode_prompts(examples) for _ in range(G)]
+
+
+def _generate(config, step: int, prompts=None):
+    with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
+        policy.sync.push()
+        prompts = prompts or _step_prompts(config, data, step)
+        # some shorter prompts: shards of other widths must still pad like the whole batch
+        prompts = [p[2:] if i % 7 == 3 else p for i, p in enumerate(prompts)]
+        seed = config.run.seed * 100_003 + step
+        batch = policy.engine.generate(prompts, sampling_params(config.rollout), seed=seed)
+        replay = policy.replay(batch, sampling_params(config.rollout))
+    return batch, replay
+
+
+def test_two_rollout_workers_sample_what_one_engine_samples(ray_session, tmp_path):
+    """tiny, step 0: rollout_workers = 2 gives a RolloutBatch torch.equal to the in-process
+    engine's, every field (tokens, masks, padding, sampler logprobs, finish reasons), and the
+    learner's whole-batch replay still equals the sharded sampler's logprobs bit for bit."""
+    one, _ = _generate(_config(tmp_path, 1), step=0)
+    two, replay = _generate(_config(tmp_path, 2), step=0)
+    for field in FIELDS:
+        assert torch.equal(getattr(one, field), getattr(two, field)), field
+    assert one.finish_reasons == two.finish_reasons
+    assert torch.equal(replay, two.rollout_logp)
+
+
+def _dies_once(config, marker: str):
+    """build_engine, but the first engine to reach a decode step (in any actor) kills its own
+    process there: a rollout actor dying mid-generation."""
+    engine = build_engine(config)
+
+    def die_the_first_time():
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    engine.stop_check = die_the_first_time
+    return engine
+
+
+def test_killed_rollout_actor_is_restarted_with_the_same_tokens(ray_session, tmp_path):
+    """An actor killed in the middle of its shard is restarted by Ray, gets the last pushed
+    weights again, and reruns the shard with the same seed and rows: the joined batch is
+    torch.equal to an engine that never died."""
+    config = _config(tmp_path, 2)
+    learner = warm_start(config)
+    with open_run(_config(tmp_path, 1), learner=copy.deepcopy(learner)) as (_, policy, data):
+        policy.sync.push()
+        prompts = _step_prompts(config, data, step=1)
+        want = policy.engine.generate(prompts, sampling_params(config.rollout), seed=7)
+        state = export_state(policy.learner)
+    engines = RayEngines(partial(_dies_once, config, str(tmp_path / "died")), 2)
+    try:
+        engines.load_weights(state)
+        pids = [ray.get(w.pid.remote()) for w in engines.workers]
+        got = engines.generate(prompts, sampling_params(config.rollout), seed=7)
+        assert (tmp_path / "died").exists() and engines.restarts == 1
+        assert [ray.get(w.pid.remote()) for w in engines.workers] != pids
+    finally:
+        engines.close()
+    for field in FIELDS:
+        assert torch.equal(getattr(want, field), getattr(got, field)), field

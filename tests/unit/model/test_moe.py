@@ -106,7 +106,7 @@ def test_route_with_forced_experts():
 def test_routing_record_and_replay(tmp_path):
     """A forward records each MoE layer's top-k; replaying the recorded experts gives the same
     logits bit for bit; replaying other experts makes the layers use them (chosen stays the
-    router's own choice) and changes the logits."""
+    router's own choice: the same in the first layer) and changes the logits."""
     model = ours_via_disk(make_hf_moe(seed=3), tmp_path)
     ids = torch.randint(3, 97, (2, 10), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -119,7 +119,8 @@ def test_routing_record_and_replay(tmp_path):
         assert torch.equal(same.chosen_experts(3), recorded)
         other = Routing(replay=(recorded + 1) % 6)  # still k distinct experts per token
         assert not torch.allclose(model.logits(ids, routing=other), logits)
-        assert torch.equal(other.chosen_experts(3), recorded)
+        # the first MoE layer's input does not depend on the replay: same own choice there
+        assert torch.equal(other.chosen_experts(3)[:, :, 0], recorded[:, :, 0])
 
 
 def test_replay_of_wrong_shape_is_refused(tmp_path):

@@ -114,6 +114,9 @@ class QuantSection(BaseModel):
         description="Keyword options passed to the scheme, e.g. {group_size = 64} for "
         "w4a16-int4. Names are checked against the scheme.",
     )
+    routing_replay: bool = Field(False, description="MoE models: the learner uses the experts the "
+        "engine chose for each token (its own router's probabilities weight them) in old_logp "
+        "and the update (routing replay, R3). Needs a qwen3_moe model.")
 
 
 class RolloutSection(BaseModel):

@@ -60,6 +60,17 @@ def test_routing_replay_makes_the_learner_use_the_engines_experts(naive_pair, mo
     assert not torch.equal(replay_logp, own_logp)
 
 
+def test_replayed_routing_keeps_the_router_gradient(naive_pair):
+    """Under routing replay the engine's experts are weighted by the learner's router
+    probabilities, so every router gets a nonzero gradient."""
+    learner, batch = naive_pair
+    logp, _ = response_logprobs(learner, batch, SAMPLING.temperature, routing_replay=True)
+    logp.sum().backward()
+    grads = [block.mlp.gate.weight.grad for block in learner.model.layers]
+    learner.zero_grad(set_to_none=True)
+    assert all(g is not None and bool(g.abs().sum() > 0) for g in grads)
+
+
 def test_routing_disagreement_counts_sets_over_recorded_tokens():
     """The same experts in another order agree; one token of two differing in one of two layers
     is 1/4 on average and 1/2 in the worst layer; -1 and masked tokens do not count."""

@@ -102,7 +102,8 @@ class QuantSection(BaseModel):
         description="Only quantize linear layers whose name contains one of these strings, or "
         "matches one as a glob when it holds '*', '?' or '[' (e.g. ['q_proj', 'k_proj'] or "
         "['model.layers.1*']). Default: every linear inside the decoder blocks "
-        "('model.layers.*'), so not the lm_head.",
+        "('model.layers.*'), so not the lm_head; a MoE router ('mlp.gate') only when a "
+        "pattern ending in 'mlp.gate' names it.",
     )
     exclude: list[str] | None = Field(
         None,

@@ -61,6 +61,10 @@ class RolloutBatch:
     response_mask: Tensor  # [N, L] bool, True on generated tokens (the final EOS included)
     rollout_logp: Tensor  # [N, L] float32, sampler logprob of each generated token; 0 on padding
     finish_reasons: list[str] = field(default_factory=list)  # N x FINISH_STOP | FINISH_LENGTH
+    # MoE models: the experts the engine's router chose for each token it ran, per MoE layer
+    # ([N, P + L, moe_layers, k] int16 over prompt + response columns; -1 where the token's
+    # output is never used: padding, a row's last token). None for a dense model.
+    routed_experts: Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -86,6 +90,7 @@ class RolloutBatch:
             response_mask=self.response_mask[index],
             rollout_logp=self.rollout_logp[index],
             finish_reasons=[self.finish_reasons[i] for i in rows],
+            routed_experts=None if self.routed_experts is None else self.routed_experts[index],
         )
 
 

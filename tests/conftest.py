@@ -22,3 +22,13 @@ def tiny_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny")
     build_tiny(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory):
+    """The zoo's `tiny-moe` model and tokenizer, built once per session (like `tiny_dir`)."""
+    from qarl.model.zoo import build_tiny
+
+    folder = tmp_path_factory.mktemp("tiny_moe")
+    build_tiny(folder, moe=True)
+    return folder

@@ -24,6 +24,10 @@ Error tokens:
     truncated       fraction of responses whose finish reason is "length"
     lowprob_tokens  fraction of response tokens whose learner probability is < 1e-3
     garbled         fraction of responses that fail the task's grammar (booleans in)
+
+Routing (mixture-of-experts models, `routing_disagreement`): per MoE layer, the fraction of
+response tokens whose learner top-k expert set differs from the engine's; `routing_disagree_frac`
+is its mean over layers, `routing_disagree_max` the largest layer's.
 """
 
 from __future__ import annotations
@@ -184,6 +188,21 @@ def garbled(grammar_ok: Sequence[bool]) -> float:
     if len(grammar_ok) == 0:
         return _NAN
     return sum(not ok for ok in grammar_ok) / len(grammar_ok)
+
+
+def routing_disagreement(learner: Tensor, engine: Tensor, mask: Tensor) -> dict[str, float]:
+    """learner, engine: [N, L, layers, k] expert ids (-1: not recorded); mask [N, L] -> the
+    routing disagreement of the module docstring over tokens both sides recorded."""
+    recorded = (learner >= 0).all(-1).all(-1) & (engine >= 0).all(-1).all(-1)  # [N, L]
+    valid = _valid(mask) & recorded
+    num_tokens = int(valid.sum())
+    if num_tokens == 0:
+        return {"routing_disagree_frac": _NAN, "routing_disagree_max": _NAN}
+    # the top-k as a set: sorted ids compared slot by slot
+    differs = (learner.sort(-1).values != engine.sort(-1).values).any(-1)  # [N, L, layers]
+    per_layer = (differs & valid[..., None]).sum(dim=(0, 1)).double() / num_tokens  # [layers]
+    return {"routing_disagree_frac": float(per_layer.mean()),
+            "routing_disagree_max": float(per_layer.max())}
 
 
 def error_token_metrics(

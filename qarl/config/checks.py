@@ -12,6 +12,7 @@ docs/config.md.
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -28,7 +29,7 @@ from qarl.algo import (
 )
 from qarl.config.errors import Problem, short, suggest, unknown_key
 from qarl.config.compare_schema import flatten_overrides
-from qarl.model import ZOO
+from qarl.model import SUPPORTED_ARCHITECTURES, ZOO
 from qarl.quant import SCHEMES, scheme_options
 from qarl.tasks import REWARDS, TASKS, task_options
 
@@ -273,6 +274,30 @@ def vllm_engine_fits(rollout, quant) -> list[Problem]:
     return problems
 
 
+def routing_replay_needs_moe(model, quant) -> list[Problem]:
+    """quant.routing_replay = true needs a mixture-of-experts model (family qwen3_moe)."""
+    if not quant.routing_replay:
+        return []
+    family = model_family(model.name)
+    if family in (None, "qwen3_moe"):  # unknown here (no such path, a .gguf): loading decides
+        return []
+    return [Problem("quant.routing_replay", f"true, but model {short(model.name)} is a dense "
+                                            f"{family} model with no experts to replay; set it "
+                                            f"to false or pick a MoE model (e.g. tiny-moe)")]
+
+
+def model_family(name: str) -> str | None:
+    """The family of a zoo model or of a model folder's config.json; None when unknown."""
+    if name in ZOO and not Path(name).exists():
+        return ZOO[name].family
+    try:
+        architectures = json.loads((Path(name) / "config.json").read_text()).get("architectures")
+    except (OSError, ValueError):  # no folder, no config.json, not JSON: loading will say
+        return None
+    architectures = architectures or [None]
+    return SUPPORTED_ARCHITECTURES.get(architectures[0])
+
+
 def tensorboard_available(log) -> list[Problem]:
     """log.tensorboard = true needs the tensorboard package ('auto' does not)."""
     if log.tensorboard is True and importlib.util.find_spec("tensorboard") is None:
@@ -341,6 +366,7 @@ CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
     (("run",), run_name_is_a_folder),
     (("model",), model_exists),
     (("quant",), scheme_exists),
+    (("model", "quant"), routing_replay_needs_moe),
     (("rollout",), batch_is_whole_groups),
     (("rollout", "train"), batch_is_whole_micro_batches),
     (("task",), one_task_source),

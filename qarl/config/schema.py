@@ -4,9 +4,9 @@ The descriptions below are the only documentation of the options: `python -m qar
 --markdown` turns them into docs/config.md, and the CLI help points there. Checks that span
 fields or sections live in `checks.py`; this file holds only types, defaults and ranges.
 
-Conventions: every optional field defaults to None, and None means "derived" or "absent"
-(TOML has no null, so a saved config simply omits it). `load_config` fills the derived ones
-(run.name, eval.size, eval.temperature, eval.max_new_tokens), so a loaded config has them set.
+Optional fields default to None, meaning "derived" or "absent" (TOML has no null: a saved
+config omits it); `load_config` fills the derived ones (run.name, eval.size, eval.temperature,
+eval.max_new_tokens).
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from qarl.config.compare_schema import CompareSection
 from qarl.config.dist_schema import DistSection
 
-# Strict: a recipe is typed TOML, so "32" is not an int and true is not a number. Ints are
-# still accepted where a float is expected (lr = 1 is fine).
+# Strict: a recipe is typed TOML ("32" is not an int; an int is accepted as a float).
 _SECTION = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
@@ -28,12 +27,9 @@ class RunSection(BaseModel):
 
     model_config = _SECTION
 
-    name: str | None = Field(
-        None,
-        min_length=1,
-        description="Run name and folder name under output_dir. Default: the recipe file's "
-        "stem (recipes/default.toml -> 'default'). Letters, digits, '.', '_' and '-' only.",
-    )
+    name: str | None = Field(None, min_length=1, description="Run name and folder name under "
+        "output_dir. Default: the recipe file's stem (recipes/default.toml -> 'default'). "
+        "Letters, digits, '.', '_' and '-' only.")
     output_dir: str = Field("runs", min_length=1, description="Folder that holds run folders.")
     seed: int = Field(0, ge=0, description="Seed for sampling, data order and initialization.")
     resume: bool = Field(
@@ -103,7 +99,8 @@ class QuantSection(BaseModel):
         description="Only quantize linear layers whose name contains one of these strings, or "
         "matches one as a glob when it holds '*', '?' or '[' (e.g. ['q_proj', 'k_proj'] or "
         "['model.layers.1*']). Default: every linear inside the decoder blocks "
-        "('model.layers.*'), so not the lm_head.",
+        "('model.layers.*'), so not the lm_head; a MoE router ('mlp.gate') only when a "
+        "pattern ending in 'mlp.gate' names it.",
     )
     exclude: list[str] | None = Field(
         None,
@@ -115,6 +112,9 @@ class QuantSection(BaseModel):
         description="Keyword options passed to the scheme, e.g. {group_size = 64} for "
         "w4a16-int4. Names are checked against the scheme.",
     )
+    routing_replay: bool = Field(False, description="MoE models: the learner uses the experts the "
+        "engine chose for each token (its own router's probabilities weight them) in old_logp "
+        "and the update (routing replay, R3). Needs a qwen3_moe model.")
 
 
 class RolloutSection(BaseModel):
@@ -144,12 +144,10 @@ class RolloutSection(BaseModel):
         "differs from the learner's by design (mismatch that alignment cannot remove).",
     )
     top_k: int = Field(0, ge=0, description="Top-k truncation; 0 = off. Same caveat as top_p.")
-    engine: Literal["local", "vllm"] = Field(
-        "local",
-        description="Rollout engine: 'local' (qarl's own) or 'vllm' (vLLM in this process, "
-        "fed qarl's codes in compressed-tensors layout after every step; needs quant.align "
-        "'fake' or 'naive' and `pip install 'qarl[vllm]'`, see qarl/rollout/README.md).",
-    )
+    engine: Literal["local", "vllm"] = Field("local", description="Rollout engine: 'local' "
+        "(qarl's own) or 'vllm' (vLLM in this process, fed qarl's codes in compressed-tensors "
+        "layout after every step; needs quant.align 'fake' or 'naive' and `pip install "
+        "'qarl[vllm]'`, see qarl/rollout/README.md).")
 
 
 class TaskSection(BaseModel):

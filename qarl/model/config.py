@@ -10,13 +10,15 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 _HF_NAME = {family: hf for hf, family in SUPPORTED_ARCHITECTURES.items()}
 
 
 @dataclass
 class ModelConfig:
-    """A dense decoder: Llama (plain), Qwen2 (bias on q/k/v), Qwen3 (RMSNorm on q and k)."""
+    """A decoder: Llama (plain), Qwen2 (bias on q/k/v), Qwen3 (RMSNorm on q and k), Qwen3-MoE
+    (Qwen3 with sparse mixture-of-experts MLPs in the layers `moe_layers` names)."""
 
     family: str = "qwen3"
     vocab_size: int = 1024
@@ -34,6 +36,15 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v bias (Qwen2); o_proj never has one
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # qwen3_moe only (HF names): experts per MoE layer, experts per token, each expert's
+    # SwiGLU width, renormalize the top-k router probabilities, every decoder_sparse_step-th
+    # layer is MoE except those in mlp_only_layers (those keep a dense intermediate_size MLP)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # other HF keys, written back as-is
 
     def __post_init__(self) -> None:
@@ -48,10 +59,33 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads}) for grouped-query attention"
             )
+        if self.family == "qwen3_moe":
+            self._check_moe()
+
+    def _check_moe(self) -> None:
+        problems = []
+        if self.num_experts < 1 or self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
+            problems.append(
+                f"num_experts ({self.num_experts}), moe_intermediate_size "
+                f"({self.moe_intermediate_size}) and decoder_sparse_step "
+                f"({self.decoder_sparse_step}) must be >= 1")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            problems.append(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                            f"[1, num_experts = {self.num_experts}]")
+        if problems:
+            raise ValueError("invalid qwen3_moe config: " + "; ".join(problems))
 
     @property
     def qk_norm(self) -> bool:
-        return self.family == "qwen3"
+        return self.family in ("qwen3", "qwen3_moe")
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices of the decoder layers with a sparse MoE MLP (HF's rule); () when dense."""
+        if self.family != "qwen3_moe":
+            return ()
+        return tuple(i for i in range(self.num_layers)
+                     if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -74,7 +108,7 @@ class ModelConfig:
             "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
             "rope_theta", "rope_scaling", "max_position_embeddings", "tie_word_embeddings",
             "attention_bias", "bos_token_id", "eos_token_id", "architectures", "model_type",
-            "rope_parameters",
+            "rope_parameters", *_MOE_KEYS, "num_local_experts",
         }
         # transformers >= 5 writes rope_theta and the scaling together as `rope_parameters`.
         rope = dict(hf.get("rope_parameters") or {})
@@ -106,6 +140,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             extra={k: v for k, v in hf.items() if k not in known},
+            **(_moe_from_hf(hf) if family == "qwen3_moe" else {}),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -129,6 +164,8 @@ class ModelConfig:
             eos_token_id=self.eos_token_id,
             hidden_act="silu",
         )
+        if self.family == "qwen3_moe":
+            hf.update({key: getattr(self, key) for key in _MOE_KEYS})
         if self.family == "llama":
             hf["attention_bias"] = self.attention_bias
             hf["mlp_bias"] = False
@@ -136,3 +173,19 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+_MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+             "decoder_sparse_step", "mlp_only_layers")
+
+
+def _moe_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    # transformers >= 5 writes num_experts as `num_local_experts`; the Hub's configs say num_experts
+    return dict(
+        num_experts=hf.get("num_experts", hf.get("num_local_experts", 0)),
+        num_experts_per_tok=hf.get("num_experts_per_tok", 0),
+        moe_intermediate_size=hf.get("moe_intermediate_size", 0),
+        norm_topk_prob=hf.get("norm_topk_prob", False),
+        decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+        mlp_only_layers=list(hf.get("mlp_only_layers") or []),
+    )

@@ -1,4 +1,5 @@
-"""The decoder: Llama / Qwen2 / Qwen3 dense transformers with HF parameter names.
+"""The decoder: Llama / Qwen2 / Qwen3 dense transformers and Qwen3-MoE (sparse MLPs in
+`qarl.model.moe`), with HF parameter names.
 
 Parameter names match Hugging Face (`model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`)
 so a HF state dict loads with no renaming. Every projection is a plain `nn.Linear`: the
@@ -19,6 +20,8 @@ from torch import Tensor, nn
 
 from qarl.model.cache import KVCache
 from qarl.model.config import ModelConfig
+from qarl.model.mlp import MLP
+from qarl.model.moe import Routing, SparseMoeBlock, routing_scope
 
 
 class RMSNorm(nn.Module):
@@ -117,26 +120,16 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(d, f, bias=False)
-        self.up_proj = nn.Linear(d, f, bias=False)
-        self.down_proj = nn.Linear(f, d, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        # SwiGLU: down(silu(gate(x)) * up(x))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        if layer in config.moe_layers:
+            self.mlp = SparseMoeBlock(config, moe_index=config.moe_layers.index(layer))
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, x, cos, sin, mask, cache, layer, cache_start):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, cache_start)
@@ -166,7 +159,7 @@ class DecoderBody(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -199,13 +192,15 @@ class CausalLM(nn.Module):
         cache: KVCache | None = None,
         cache_start: int = 0,  # cache slot of input_ids[:, 0]
         key_mask: Tensor | None = None,  # [B, S] bool over slots 0..S-1; False = padding
+        routing: Routing | None = None,  # MoE: experts to use, and where the chosen ones go
     ) -> Tensor:  # [B, T, hidden]
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(cache_start, cache_start + T, device=input_ids.device).expand(B, T)
         body = self.model
-        return decoder_forward(body.embed_tokens, body.layers, body.norm, self.rope, input_ids,
-                               positions, cache, cache_start, key_mask)
+        with routing_scope(routing):
+            return decoder_forward(body.embed_tokens, body.layers, body.norm, self.rope,
+                                   input_ids, positions, cache, cache_start, key_mask)
 
     def logits(self, input_ids: Tensor, **kwargs) -> Tensor:  # [B, T, vocab]
         return self.lm_head(self(input_ids, **kwargs))

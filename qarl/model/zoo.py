@@ -6,6 +6,8 @@
 - `tiny`: a 3.4M-parameter Qwen3-architecture model, random init from a fixed seed, with a
   byte-level BPE tokenizer trained in code on an arithmetic-like corpus generated in code.
   Preparing it twice gives byte-identical files.
+- `tiny-moe`: `tiny` with a Qwen3-MoE MLP (8 experts, top-2) in every layer, same tokenizer,
+  same seeded init; byte-identical on every preparation too.
 
 A prepared model is an ordinary HF folder (config.json, model.safetensors, tokenizer files),
 so `load_model` / `load_tokenizer` treat it like any other folder. Preparation writes into a
@@ -21,6 +23,7 @@ import random
 import shutil
 import tempfile
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -111,6 +114,17 @@ def tiny_config(vocab_size: int, eos_token_id: int) -> ModelConfig:
     )
 
 
+def tiny_moe_config(vocab_size: int, eos_token_id: int) -> ModelConfig:
+    """`tiny` with a MoE MLP in every layer: 8 experts of width 192, top-2, renormalized
+    (as Qwen3-30B-A3B); the active MLP width per token (2 x 192) is half of tiny's 768."""
+    config = tiny_config(vocab_size, eos_token_id)
+    config.family = "qwen3_moe"
+    config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size = 8, 2, 192
+    config.norm_topk_prob = True
+    config.__post_init__()  # validate the MoE fields set above
+    return config
+
+
 def init_tiny(config: ModelConfig, seed: int = TINY_SEED) -> CausalLM:
     """Norm weights 1, every other weight N(0, 0.02^2) from one seeded generator, parameters
     visited in name order (independent of torch's global RNG and of module creation order)."""
@@ -126,14 +140,15 @@ def init_tiny(config: ModelConfig, seed: int = TINY_SEED) -> CausalLM:
     return build_model(config, state, torch.float32, source=Path("<tiny init>"))
 
 
-def build_tiny(folder: Path) -> None:
+def build_tiny(folder: Path, moe: bool = False) -> None:
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     bpe = train_byte_bpe(tiny_corpus(), TINY_TOKENIZER_VOCAB, specials)
     save_byte_bpe(bpe, folder, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                   chat_template=CHATML_TEMPLATE, model_max_length=1024)
     # Round the embedding up to a multiple of 128 rows, as HF models do; extra rows unused.
     vocab_size = -(-bpe.get_vocab_size() // 128) * 128
-    save_model(init_tiny(tiny_config(vocab_size, bpe.token_to_id("<|im_end|>"))), folder)
+    make_config = tiny_moe_config if moe else tiny_config
+    save_model(init_tiny(make_config(vocab_size, bpe.token_to_id("<|im_end|>"))), folder)
 
 
 # ---- registry, preparation, resolution --------------------------------------------------
@@ -153,6 +168,10 @@ ZOO: dict[str, ZooModel] = {
         build_smollm2,
     ),
     "tiny": ZooModel("qwen3", "3.4M", "random-init Qwen3 + byte-level BPE, for tests and fast runs", build_tiny),
+    "tiny-moe": ZooModel(
+        "qwen3_moe", "5.7M", "tiny with 8 experts (top-2) in every layer, for tests and fast runs",
+        partial(build_tiny, moe=True),
+    ),
 }
 
 

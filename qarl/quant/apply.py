@@ -5,6 +5,12 @@ Layer selection: a pattern with a wildcard (`*?[`) is an fnmatch glob over the m
 as the recipe's `quant.include` / `quant.exclude` document. Default: every nn.Linear inside
 the blocks (`model.layers.*`); `lm_head` is opt-in through `include`. Embeddings stay full
 precision (weight-only embedding quantization is not implemented).
+
+Mixture-of-experts layers (`qarl.model.moe`): every expert's three projections
+(`model.layers.*.mlp.experts.*.{gate,up,down}_proj`) are ordinary linears, selected like any
+other. The router (`model.layers.*.mlp.gate`) stays full precision unless an include pattern
+ending in `mlp.gate` names it (e.g. `include = ["model.layers.*"`, `"mlp.gate"]`): its top-k
+decides which experts run, so its rounding moves whole experts, not values.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from qarl.quant.qweight import QWeight
 from qarl.quant.schemes import Scheme, make_scheme
 
 DEFAULT_INCLUDE = ("model.layers.*",)
+ROUTER_SUFFIX = "mlp.gate"  # a MoE router's module name ends so (experts end in *_proj)
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -28,6 +35,8 @@ def _matches(name: str, pattern: str) -> bool:
 
 
 def _selected(name: str, include, exclude) -> bool:
+    if name.endswith("." + ROUTER_SUFFIX):  # a router: only when a pattern names it
+        include = [p for p in include if p.endswith(ROUTER_SUFFIX)]
     return any(_matches(name, p) for p in include) and not any(_matches(name, p) for p in exclude)
 
 

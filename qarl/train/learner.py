@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from qarl.model.decoder import CausalLM
+from qarl.model.decoder import CausalLM, Routing
 from qarl.rollout.sampling import token_logprobs
 from qarl.types import RolloutBatch
 
@@ -52,15 +52,19 @@ def _chunk_logprobs_and_entropy(lm_head, hidden: Tensor, tokens: Tensor, tempera
 
 def response_logprobs(
     model: CausalLM, batch: RolloutBatch, temperature: float = 1.0, chunk_tokens: int = 512,
+    routing_replay: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Teacher-forced logprobs of the response tokens: ([N, L] float32, entropy [N, L]).
 
     Both are 0 on padding. Gradients reach every parameter through the chunked lm_head.
+    routing_replay: MoE layers use the batch's `routed_experts` (the engine's choice).
     """
     ids = batch.sequence_ids()  # [N, P + L]
     seq_mask = batch.sequence_mask()  # [N, P + L]
     P, L = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-    hidden = model(ids, positions=sequence_positions(seq_mask), key_mask=seq_mask)  # [N, P+L, H]
+    routing = Routing(replay=batch.routed_experts) if routing_replay else None
+    hidden = model(ids, positions=sequence_positions(seq_mask), key_mask=seq_mask,
+                   routing=routing)  # [N, P+L, H]
     # The hidden state at column P-1+t predicts response token t.
     predicting = hidden[:, P - 1 : P - 1 + L]  # [N, L, H]
     mask = batch.response_mask

@@ -21,7 +21,7 @@ from qarl.algo import (
     LOSSES, Correction, apply_corrections, global_counts, group_advantages, metrics_to_floats,
     overlong_penalty,
 )
-from qarl.algo.diagnostics import error_token_metrics, mismatch_metrics
+from qarl.algo.diagnostics import error_token_metrics, mismatch_metrics, routing_disagreement
 from qarl.config import AlgoSection, TrainSection
 from qarl.tasks import Example, RewardResult, Task
 from qarl.train.learner import aligned_logprobs, response_logprobs
@@ -55,6 +55,9 @@ class Experience:
     old_logp: Tensor  # [N, L] float32, the learner's decode-path replay of the sampled tokens
     advantages: Tensor  # [N] float32
     rows: Tensor  # [N] bool, rows that take part in the update
+    # MoE: the experts the learner's own routers chose in the old_logp replay, as
+    # batch.routed_experts ([N, P + L, moe_layers, k] int16); None for a dense model
+    learner_routing: Tensor | None = None
 
 
 def train_examples(task: Task, seed: int, step: int, num_prompts: int) -> list[Example]:
@@ -152,7 +155,7 @@ def update_policy(policy: Policy, optimizers: list[torch.optim.Optimizer], exp: 
         exact = exp.old_logp if epoch == 0 else policy.replay(exp.batch, exp.sampling)
         entropy_sum, entropy_count, finite = accumulate_gradients(
             policy.learner, exp, exact, algo, correction, params, train.micro_batch_size, totals,
-            group)
+            group, routing_replay=policy.routing_replay)
         if group is not None:
             finite = group.all_true(finite)
             group.sum_gradients(policy.learner)
@@ -177,7 +180,8 @@ def update_policy(policy: Policy, optimizers: list[torch.optim.Optimizer], exp: 
 
 def accumulate_gradients(learner, exp: Experience, exact: Tensor, algo: AlgoSection,
                          correction: Correction, params: dict, micro_batch_size: int,
-                         totals: dict[str, float], group=None) -> tuple[float, int, bool]:
+                         totals: dict[str, float], group=None, routing_replay: bool = False
+                         ) -> tuple[float, int, bool]:
     """One epoch's backward passes, micro-batch by micro-batch (with a rank `group`, this
     rank's share of them); adds each loss metric (weighted by its share of the rows and
     epochs) to `totals`. Returns (entropy sum, response tokens, every loss finite); stops at
@@ -188,7 +192,8 @@ def accumulate_gradients(learner, exp: Experience, exact: Tensor, algo: AlgoSect
     for start in starts if group is None else group.micro_batches(starts):
         idx = torch.arange(start, min(N, start + micro_batch_size))
         sub = batch.select(idx)
-        fast, entropy = response_logprobs(learner, sub, exp.sampling.temperature)
+        fast, entropy = response_logprobs(learner, sub, exp.sampling.temperature,
+                                          routing_replay=routing_replay)
         logp = aligned_logprobs(fast, exact[idx])  # value: exact; gradient: fast
         loss, metrics = LOSSES[algo.loss](
             logp, exp.old_logp[idx], sub.rollout_logp, exp.advantages[idx], correction.mask[idx],
@@ -242,5 +247,9 @@ def sample_metrics(task: Task, exp: Experience, completions: list[str]) -> dict[
     mismatch = mismatch_metrics(exp.old_logp, batch.rollout_logp, batch.response_mask)
     errors = error_token_metrics(batch.response_ids, batch.response_mask, batch.finish_reasons,
                                  learner_logp=exp.old_logp, grammar_ok=verdicts)
+    if batch.routed_experts is not None and exp.learner_routing is not None:
+        P = batch.prompt_ids.shape[1]
+        mismatch.update(routing_disagreement(exp.learner_routing[:, P:],
+                                             batch.routed_experts[:, P:], batch.response_mask))
     return {**{f"mismatch/{k}": v for k, v in mismatch.items()},
             **{f"errors/{k}": v for k, v in errors.items()}}

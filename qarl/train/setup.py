@@ -82,12 +82,19 @@ class Policy:
     sync: WeightSync  # learner -> engine weight push
     quantized: bool  # False when the scheme is the identity (full-precision rollouts)
     ranks: object = None  # qarl.train.ranks.RankGroup of rank 0 when dist.learner_ranks > 1
+    routing_replay: bool = False  # MoE: the learner uses the engine's experts (quant.routing_replay)
 
     def replay(self, batch: RolloutBatch, sampling: SamplingParams) -> Tensor:
         """The learner's logprobs of the sampled tokens, [N, L] float32 (no grad), through
         the engine's own decode path on the whole batch (qarl.train.learner's docstring says
         why this, and not a full-sequence forward, gives exact values)."""
-        return self.scorer.score(batch, sampling)
+        return self.replay_with_routing(batch, sampling)[0]
+
+    def replay_with_routing(self, batch: RolloutBatch, sampling: SamplingParams
+                            ) -> tuple[Tensor, Tensor | None]:
+        """`replay`, and the experts the learner's own routers chose ([N, P + L, moe_layers, k]
+        int16, None for a dense model); with routing replay it runs the engine's experts."""
+        return self.scorer.score_routing(batch, sampling, replay=self.routing_replay)
 
     def close(self) -> None:
         """End the rollout workers' actors, if the engine has any."""
@@ -191,7 +198,8 @@ def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | No
     quantize_learner(learner, config.quant)
     scorer = LocalEngine.from_tokenizer(learner, tokenizer, max_context=max_context)
     return Policy(learner, engine, scorer, WeightSync(learner, engine),
-                  quantized=not SCHEMES[config.quant.scheme].is_identity)
+                  quantized=not SCHEMES[config.quant.scheme].is_identity,
+                  routing_replay=config.quant.routing_replay)
 
 
 def report_dataset(task: Task, run_dir: Path) -> None:

@@ -59,8 +59,8 @@ def rl_step(policy: Policy, data: Data, optimizers: list[torch.optim.Optimizer],
     advantages, rows, group_metrics = compute_advantages(scored.rewards, batch, config.algo, G)
     check_stop()
     with timer("old_logp"):
-        old_logp = policy.replay(batch, sampling)
-    exp = Experience(batch, sampling, old_logp, advantages, rows)
+        old_logp, learner_routing = policy.replay_with_routing(batch, sampling)
+    exp = Experience(batch, sampling, old_logp, advantages, rows, learner_routing)
     check_stop()
     with timer("update"):
         if policy.ranks is not None:

@@ -54,13 +54,13 @@ def test_every_exact_logp_is_one_whole_batch_replay(tmp_path):
     config = _config(tmp_path, **{"algo.epochs": 3})
     with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
         replayed_rows = []
-        replay = policy.replay
+        replay = policy.replay_with_routing  # what replay() runs too
 
         def counting_replay(batch, sampling):
             replayed_rows.append(batch.num_sequences)
             return replay(batch, sampling)
 
-        policy.replay = counting_replay
+        policy.replay_with_routing = counting_replay
         optimizers = build_optimizer(policy.learner, "adamw", config.train.lr)
         rl_step(policy, data, optimizers, config, step=STEP)
     assert replayed_rows == [config.rollout.batch_size] * 3

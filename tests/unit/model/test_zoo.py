@@ -43,10 +43,22 @@ def test_tiny_model_and_tokenizer(tiny_dir):
     assert ids[0] == tok.hf.convert_tokens_to_ids("<|im_start|>") and im_end in ids
 
 
+def test_tiny_moe_model(tiny_moe_dir, tiny_dir):
+    """tiny-moe is tiny with 8 top-2 experts in each of its 4 layers: same tokenizer files,
+    a seeded init that gives the same weights on every build."""
+    model = load_model(tiny_moe_dir)
+    c = model.config
+    assert (c.family, c.moe_layers, c.num_experts, c.num_experts_per_tok) == ("qwen3_moe", (0, 1, 2, 3), 8, 2)
+    assert (tiny_moe_dir / "tokenizer.json").read_bytes() == (tiny_dir / "tokenizer.json").read_bytes()
+    again = zoo.init_tiny(zoo.tiny_moe_config(c.vocab_size, c.eos_token_id))
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, again.state_dict()[name]), name
+
+
 def test_resolve_prefers_existing_paths_and_rejects_unknown_names(tmp_path, qarl_home):
     """An existing path resolves to itself; an unknown zoo key raises listing the zoo."""
     assert zoo.resolve(tmp_path) == tmp_path
-    with pytest.raises(KeyError, match=r"unknown zoo model 'nope'.*\['smollm2-135m', 'tiny'\]"):
+    with pytest.raises(KeyError, match=r"unknown zoo model 'nope'.*\['smollm2-135m', 'tiny', 'tiny-moe'\]"):
         zoo.prepare("nope")
 
 

@@ -1,0 +1,186 @@
+"""`RayEngines`: N rollout engines in Ray actors behind the one `qarl.rollout.Engine` protocol.
+
+Each actor builds its own engine with the factory it is given (the trainer passes the
+function that builds its in-process engine, so every actor runs the same decode path), and
+the trainer talks to `RayEngines` as it talks to one engine:
+
+- `generate` splits the prompts into N contiguous shards (`shard_bounds`), runs them in
+  parallel and joins the results in prompt order. Shard k is generated with
+  `row_offset` = its first row and `prompt_width` = the whole batch's, so each response
+  draws from its own random stream and every shard pads like the whole batch: the joined
+  batch equals one engine's batch bit for bit (torch.equal), not just in distribution.
+- `load_weights` puts the state in Ray's object store once (`ray.put`) and hands every actor
+  the same reference: the learner serializes its codes and scales once per step, whatever N.
+- Faults: an actor that dies is restarted by Ray (`max_restarts`); its shard is resubmitted
+  after the last pushed weights are reinstalled, with the same seed and row offset, so the
+  step's tokens do not change. `restarts` counts the resubmissions.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import ray
+import torch
+from ray.exceptions import ActorUnavailableError, RayActorError
+from torch import Tensor
+
+from qarl.quant import QWeight, quant_layers
+from qarl.types import RolloutBatch, SamplingParams, concat_batches
+
+_RESTART_TIMEOUT_S = 300  # a restarted actor rebuilds its engine: loads and quantizes the model
+
+
+def shard_bounds(num_rows: int, num_shards: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) row ranges, sizes differing by at most one, the larger first;
+    no empty shard (fewer shards when there are fewer rows)."""
+    shards = min(num_shards, num_rows)
+    base, extra = divmod(num_rows, shards)
+    bounds, start = [], 0
+    for k in range(shards):
+        end = start + base + (k < extra)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+class EngineWorker:
+    """One rollout engine in a Ray actor process (the body of each of RayEngines' actors)."""
+
+    def __init__(self, factory: Callable[[], object]):
+        self.engine = factory()
+
+    def generate(self, prompt_ids, sampling, seed, row_offset, prompt_width) -> RolloutBatch:
+        return self.engine.generate(prompt_ids, sampling, seed, row_offset=row_offset,
+                                    prompt_width=prompt_width)
+
+    def score(self, batch: RolloutBatch, sampling: SamplingParams) -> Tensor:
+        return self.engine.score(batch, sampling)
+
+    def load_weights(self, state: dict) -> None:
+        self.engine.load_weights(state)
+
+    def describe(self) -> dict[str, str]:
+        return self.engine.describe()
+
+    def pad_token_id(self) -> int:
+        return self.engine.pad_token_id
+
+    def qweights(self) -> dict[str, QWeight]:
+        """The codes and scales this engine decodes with, per quantized layer."""
+        return {name: layer.qweight() for name, layer in quant_layers(self.engine.model).items()}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RayEngines:
+    """`num_workers` engines, each built by `factory()` in its own Ray actor; implements
+    `qarl.rollout.Engine`. Needs a connected Ray (`qarl.dist.connect`). Each actor reserves
+    `cpus_per_worker` CPUs (Ray sets its torch threads to that) and `gpus_per_worker` GPUs."""
+
+    # Called before each generate / score is dispatched (the trainer's stop-signal check).
+    stop_check: Callable[[], None] = staticmethod(lambda: None)
+
+    def __init__(self, factory: Callable[[], object], num_workers: int, max_restarts: int = 3,
+                 cpus_per_worker: float = 1, gpus_per_worker: float = 0):
+        actor = ray.remote(EngineWorker).options(
+            max_restarts=max_restarts, num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)
+        self.workers = [actor.remote(factory) for _ in range(num_workers)]
+        self.max_restarts = max_restarts
+        self.pad_token_id: int = ray.get(self.workers[0].pad_token_id.remote())
+        self.restarts = 0
+        self._weights = None  # ObjectRef of the last state pushed, reinstalled after a restart
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int,
+                 row_offset: int = 0, prompt_width: int = 0) -> RolloutBatch:
+        """`Engine.generate` over the actors: shard k (rows [a, b)) runs on actor k with
+        row_offset + a and the batch's prompt width; the shards are joined in order."""
+        if not prompt_ids:
+            raise ValueError("generate() got an empty prompt list; pass at least one prompt")
+        self.stop_check()
+        width = max(prompt_width, *(len(p) for p in prompt_ids))
+        bounds = shard_bounds(len(prompt_ids), len(self.workers))
+        batches = self._run([
+            (k, "generate", (prompt_ids[a:b], sampling, seed, row_offset + a, width))
+            for k, (a, b) in enumerate(bounds)
+        ])
+        return concat_batches(batches, self.pad_token_id)
+
+    def score(self, batch: RolloutBatch, sampling: SamplingParams) -> Tensor:
+        """`Engine.score` over the actors, row shards of the batch (same prompt and response
+        widths), joined in order: [N, L] float32."""
+        self.stop_check()
+        bounds = shard_bounds(batch.num_sequences, len(self.workers))
+        parts = self._run([(k, "score", (batch.select(torch.arange(a, b)), sampling))
+                           for k, (a, b) in enumerate(bounds)])
+        return torch.cat(parts)
+
+    def load_weights(self, state: dict) -> None:
+        """One `ray.put` of the state; every actor installs it from the object store."""
+        self._weights = ray.put(state)
+        self._run([(k, "load_weights", (self._weights,)) for k in range(len(self.workers))])
+
+    def describe(self) -> dict[str, str]:
+        return self._run([(0, "describe", ())])[0]
+
+    def qweights(self) -> dict[str, QWeight]:
+        """The codes and scales the engines decode with (actor 0's; they all hold the same)."""
+        return self._run([(0, "qweights", ())])[0]
+
+    def close(self) -> None:
+        """End the actors (their CPUs / GPUs go back to the cluster)."""
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
+        self.workers = []
+
+    def _run(self, calls: Sequence[tuple[int, str, tuple]]) -> list:
+        """Run (actor index, method, args) calls in parallel; results in call order. A call
+        whose actor died is resubmitted to the restarted actor, after the last weights are
+        reinstalled, up to max_restarts times per call."""
+        pending = {i: self._submit(*call) for i, call in enumerate(calls)}
+        results: dict[int, object] = {}
+        tries = dict.fromkeys(pending, 0)
+        while pending:
+            i, ref = next(iter(pending.items()))
+            try:
+                results[i] = ray.get(ref)
+                del pending[i]
+            except RayActorError as error:
+                k, method, _ = calls[i]
+                tries[i] += 1
+                if tries[i] > self.max_restarts:
+                    raise RuntimeError(
+                        f"rollout worker {k} died during {method}() {tries[i]} times, more "
+                        f"than its max_restarts={self.max_restarts}; see the Ray logs "
+                        "(/tmp/ray/session_latest/logs) for why") from error
+                self.restarts += 1
+                self._wait_until_alive(k)
+                if self._weights is not None and method != "load_weights":
+                    ray.get(self.workers[k].load_weights.remote(self._weights))
+                pending[i] = self._submit(*calls[i])
+        return [results[i] for i in range(len(calls))]
+
+    def _wait_until_alive(self, k: int) -> None:
+        """Block until Ray has restarted actor k (its constructor rebuilt the engine)."""
+        deadline = time.monotonic() + _RESTART_TIMEOUT_S
+        while True:
+            try:
+                ray.get(self.workers[k].pid.remote())
+                return
+            except ActorUnavailableError:  # restarting: its constructor is still running
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"rollout worker {k} did not come back within {_RESTART_TIMEOUT_S} s "
+                        "of dying; see the Ray logs (/tmp/ray/session_latest/logs)") from None
+                time.sleep(0.2)
+            except RayActorError as error:  # dead for good: its restarts are used up
+                raise RuntimeError(
+                    f"rollout worker {k} died and Ray did not restart it (max_restarts="
+                    f"{self.max_restarts} used up?); see the Ray logs "
+                    "(/tmp/ray/session_latest/logs)") from error
+
+    def _submit(self, k: int, method: str, args: tuple):
+        return getattr(self.workers[k], method).remote(*args)

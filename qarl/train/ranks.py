@@ -125,11 +125,13 @@ class RankGroup:
 class Replica:
     """A follower's learner with what `update_policy` reads of a `Policy`."""
 
-    def __init__(self, learner: CausalLM, scorer: LocalEngine, ranks: RankGroup):
+    def __init__(self, learner: CausalLM, scorer: LocalEngine, ranks: RankGroup,
+                 routing_replay: bool = False):
         self.learner, self.scorer, self.ranks = learner, scorer, ranks
+        self.routing_replay = routing_replay  # MoE: the engine's experts, as on rank 0
 
     def replay(self, batch, sampling):
-        return self.scorer.score(batch, sampling)
+        return self.scorer.score_routing(batch, sampling, replay=self.routing_replay)[0]
 
 
 def share_state(group: RankGroup, learner: CausalLM, optimizers: list) -> None:
@@ -163,7 +165,7 @@ def follower(rank: int, world: int, init_file: str, config: RunConfig) -> None:
     group = RankGroup(rank, world)
     try:
         share_state(group, learner, optimizers)
-        replica = Replica(learner, scorer, group)
+        replica = Replica(learner, scorer, group, config.quant.routing_replay)
         while (message := group.broadcast(None)) is not None:
             exp, step = message
             update_policy(replica, optimizers, exp, config.algo, train, step)

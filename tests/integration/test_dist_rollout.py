@@ -78,9 +78,11 @@ def _dies_once(config, marker: str):
     engine = build_engine(config)
 
     def die_the_first_time():
-        if not os.path.exists(marker):
-            open(marker, "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)
+        try:  # O_EXCL: of two actors reaching here at once, exactly one creates it and dies
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        os.kill(os.getpid(), signal.SIGKILL)
 
     engine.stop_check = die_the_first_time
     return engine

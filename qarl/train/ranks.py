@@ -28,6 +28,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -45,6 +47,10 @@ from qarl.train.optim import build_optimizer
 # Followers wait in a broadcast while rank 0 generates, scores and evaluates, which can take
 # hours on a CPU; a dead rank is noticed by its closed connection, not by this timeout.
 _TIMEOUT = timedelta(hours=24)
+# Before joining, a follower imports torch and qarl: seconds, minutes on a loaded machine.
+# A follower that dies before it joins is seen by rank 0 at once (its exit code); this limit
+# only ends a wait on followers that neither join nor die.
+_JOIN_TIMEOUT_S = 600.0
 
 
 class LearnerRankDied(RuntimeError):
@@ -146,13 +152,15 @@ def share_state(group: RankGroup, learner: CausalLM, optimizers: list) -> None:
             opt.load_state_dict(opt_state)
 
 
-def follower(rank: int, world: int, init_file: str, config: RunConfig) -> None:
+def follower(rank: int, world: int, init_file: str, config: RunConfig, parent: int) -> None:
     """A follower rank's whole life: join, build the learner, update until rank 0 says stop."""
     from qarl.train.phases import update_policy
     from qarl.train.setup import DTYPES, quantize_learner
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: rank 0 stops the run, then us
+    exit_with_parent(parent)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    Path(f"{init_file}.ready{rank}").touch()  # rank 0 waits for these before it joins
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=_TIMEOUT)
     learner = quantize_learner(load_model(config.model.name, dtype=DTYPES[config.model.master_dtype]),
@@ -174,6 +182,41 @@ def follower(rank: int, world: int, init_file: str, config: RunConfig) -> None:
     dist.destroy_process_group()
 
 
+def wait_for_followers(processes: list, init_file: str,
+                       timeout_s: float = _JOIN_TIMEOUT_S) -> None:
+    """Return once every follower is about to join (its `init_file.ready<rank>` exists);
+    raise LearnerRankDied at once if one exits first, or after `timeout_s` if one does
+    neither. Without this, rank 0 would wait in the rendezvous for the 24-hour timeout."""
+    deadline = time.monotonic() + timeout_s
+    waiting = dict(enumerate(processes, start=1))
+    while waiting:
+        for rank, process in list(waiting.items()):
+            if Path(f"{init_file}.ready{rank}").exists():
+                del waiting[rank]
+            elif process.poll() is not None:
+                raise LearnerRankDied(
+                    f"learner rank {rank} of {len(processes) + 1} exited with code "
+                    f"{process.returncode} before joining the others; its error is above")
+        if waiting and time.monotonic() > deadline:
+            raise LearnerRankDied(
+                f"learner ranks {sorted(waiting)} did not start within {timeout_s:.0f} s; a "
+                "machine this loaded may need fewer dist.learner_ranks")
+        time.sleep(0.05)
+
+
+def exit_with_parent(parent: int, interval_s: float = 1.0) -> None:
+    """End this process soon after its parent `parent` (the pid that started it, passed by
+    the parent itself: a parent gone before this call is seen too) is gone. A SIGKILLed rank
+    0 leaves its followers waiting in a collective for the 24-hour timeout otherwise."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="qarl-parent-watch", daemon=True).start()
+
+
 @contextmanager
 def learner_ranks(config: RunConfig, learner: CausalLM, optimizers: list) -> Iterator[RankGroup | None]:
     """None with one rank; else start the followers, share rank 0's state with them, yield
@@ -186,10 +229,11 @@ def learner_ranks(config: RunConfig, learner: CausalLM, optimizers: list) -> Ite
         init_file = str(Path(tmp) / "init")
         recipe = save_resolved(config, tmp)
         processes = [subprocess.Popen([sys.executable, "-m", "qarl.train.ranks", str(r), str(world),
-                                       init_file, str(recipe)])
+                                       init_file, str(recipe), str(os.getpid())])
                      for r in range(1, world)]
         group = RankGroup(0, world, tuple(processes))
         try:
+            wait_for_followers(processes, init_file)
             dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0,
                                     world_size=world, timeout=_TIMEOUT)
             share_state(group, learner, optimizers)
@@ -211,5 +255,6 @@ if __name__ == "__main__":
     parser.add_argument("world", type=int)
     parser.add_argument("init_file")
     parser.add_argument("recipe")
+    parser.add_argument("parent", type=int, help="rank 0's pid: the follower ends with it")
     args = parser.parse_args()
-    follower(args.rank, args.world, args.init_file, load_config(args.recipe))
+    follower(args.rank, args.world, args.init_file, load_config(args.recipe), args.parent)

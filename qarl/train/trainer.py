@@ -95,6 +95,8 @@ def train(recipe: str | Path | Mapping | RunConfig | None = None,
         try:
             with learner_ranks(config, policy.learner, optimizers) as policy.ranks:
                 before, after = loop.run()
+        except LearnerRankDied as err:  # a follower gone before it joined (no step taken)
+            raise TrainingAborted(str(err)) from err
         finally:
             loop.log.close()
         summary = finish_run(folder.path, config.log, before, after)

@@ -36,14 +36,13 @@ from qarl.export.compressed_tensors import WEIGHTS_FILE, ct_state, quantization_
 from qarl.model import CausalLM, load_model, load_tokenizer, save_model
 from qarl.model.zoo import resolve
 from qarl.quant import SCHEMES, QWeight, export_state, quantize_model
+from qarl.quant.apply import FUSED_GROUPS
 
 FORMATS = ("hf", "compressed-tensors")
 CONFIG_FILE = "config.toml"  # the resolved config a checkpoint was trained with
 POINTER = "latest"  # a run folder's one-line file naming its newest complete checkpoint
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 GENERATION_CONFIG = "generation_config.json"
-# Layers vLLM runs as one fused GEMM; NVFP4 then decodes them with one global scale.
-FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 @dataclass(frozen=True)
@@ -166,15 +165,16 @@ def unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def warn_split_global_scales(state: dict[str, torch.Tensor | QWeight]) -> None:
-    """vLLM fuses q/k/v and gate/up and decodes the fused NVFP4 layer with the largest of
-    their global scales; qarl gives each layer its own, so vLLM would serve other weights for
-    the layers whose scales differ. The file itself is exact: say so, and where."""
+    """vLLM fuses q/k/v and gate/up and decodes the fused NVFP4 layer with one global scale.
+    qarl's quantizer gives a fused group one (`Scheme.group_scaled`), so this warns only for
+    a state quantized otherwise (e.g. a group split by quant.include / exclude). The file
+    itself is exact: say so, and where."""
     split = []
     for name, qw in state.items():
         if not (isinstance(qw, QWeight) and qw.global_scale is not None):
             continue
         module = name.removesuffix(".weight")
-        for group in FUSED:
+        for group in FUSED_GROUPS:
             if module.endswith("." + group[0]):
                 parent = module.removesuffix(group[0])
                 scales = {float(state[f"{parent}{m}.weight"].global_scale) for m in group

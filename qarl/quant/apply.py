@@ -25,6 +25,8 @@ from qarl.quant.qweight import QWeight
 from qarl.quant.schemes import Scheme, make_scheme
 
 DEFAULT_INCLUDE = ("model.layers.*",)
+# Sibling layers a serving engine runs as one fused GEMM (vLLM's qkv_proj, gate_up_proj).
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 ROUTER_SUFFIX = "mlp.gate"  # a MoE router's module name ends so (experts end in *_proj)
 
 
@@ -76,7 +78,22 @@ def quantize_model(
             f"exclude={list(exclude)}; linear layers in this model look like "
             f"{[n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:4]}"
         )
+    link_fused_peers(model)
     return model
+
+
+def link_fused_peers(model: nn.Module) -> None:
+    """Tell each QuantLinear of a FUSED_GROUPS group the group's other QuantLinears of the same
+    scheme (a format with a per-tensor number, NVFP4, then gives them one); others get ()."""
+    layers = quant_layers(model)
+    for name, layer in layers.items():
+        parent, _, leaf = name.rpartition(".")
+        group = next((g for g in FUSED_GROUPS if leaf in g), ())
+        peers = [layers.get(f"{parent}.{m}" if parent else m) for m in group if m != leaf]
+        peers = tuple(p for p in peers if p is not None and p.scheme == layer.scheme)
+        if [id(p) for p in peers] != [id(p) for p in layer.fused_peers]:
+            layer.fused_peers = peers
+            layer._qweight = layer._qweight_key = layer._dequantized = None
 
 
 def quant_layers(model: nn.Module) -> dict[str, QuantLinear]:

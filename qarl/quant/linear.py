@@ -74,13 +74,31 @@ class QuantLinear(nn.Module):
         self._qweight_key: tuple | None = None
         self._dequantized: Tensor | None = None  # [N, K] fp32, for fake mode and backward
         self.quantize_count = 0  # how many times this layer quantized its master weight
+        # The other layers of this one's fused group (q/k/v, gate/up; set by quantize_model):
+        # a plain tuple, not submodules, so state_dict and named_modules do not see them twice.
+        self.fused_peers: tuple[QuantLinear, ...] = ()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scheme: str | Scheme, mode: str = "kernel") -> "QuantLinear":
         return cls(linear.weight, linear.bias, scheme, mode)
 
     def _key(self) -> tuple:
-        return (self.weight.data_ptr(), self.weight._version)
+        own = (self.weight.data_ptr(), self.weight._version)
+        if not self._shares_scale():
+            return own
+        return (own, *((p.weight.data_ptr(), p.weight._version) for p in self.fused_peers))
+
+    def _shares_scale(self) -> bool:
+        return self.scheme.group_scaled and bool(self.fused_peers)
+
+    def _quantize(self) -> QWeight:
+        w = self.weight.detach()
+        if not self._shares_scale():
+            return self.scheme.quantize(w)
+        # max over the group of max|w|: the global scale every member quantizes with
+        group_amax = torch.stack([w.float().abs().amax()] + [
+            p.weight.detach().float().abs().amax().to(w.device) for p in self.fused_peers]).amax()
+        return self.scheme.quantize(w, group_amax)
 
     def qweight(self) -> QWeight:
         """The QWeight of the current master weight (quantized at most once per version)."""
@@ -89,7 +107,7 @@ class QuantLinear(nn.Module):
             # normal tensors even when the engine decodes under torch.inference_mode, so a
             # shared learner model can later save them for backward
             with torch.inference_mode(False), torch.no_grad():
-                self._qweight = self.scheme.quantize(self.weight.detach())
+                self._qweight = self._quantize()
             self._qweight_key, self._dequantized = key, None
             self.quantize_count += 1
         return self._qweight

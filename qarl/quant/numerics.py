@@ -144,12 +144,14 @@ def e2m1_decode(codes: Tensor) -> Tensor:
     return torch.where((codes & 8) > 0, -mag, mag)
 
 
-def nvfp4(w: Tensor, block: int = 16) -> tuple[Tensor, Tensor, Tensor]:
-    """w [N, K] -> codes [N, K] uint8 (FP4), scales [N, K/16] float8_e4m3fn, global [] fp32."""
+def nvfp4(w: Tensor, block: int = 16, amax: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """w [N, K] -> codes [N, K] uint8 (FP4), scales [N, K/16] float8_e4m3fn, global [] fp32.
+    `amax` (>= max|w|) replaces max|w| in the global scale: the largest of a fused group's
+    weights, so the group shares one global scale (see Nvfp4Scheme)."""
     N, K = w.shape
     check_groups(K, block, "nvfp4 weight")
     wf = w.float()
-    amax = wf.abs().amax()
+    amax = wf.abs().amax() if amax is None else amax.float()
     # g = 448 * 6 / max|w| (compressed-tensors' weight_global_scale; the decode divides by it)
     glob = torch.where(amax > 0, (FP8_MAX * FP4_MAX) / amax, torch.ones_like(amax))
     blocks = wf.reshape(N, K // block, block)

@@ -72,6 +72,10 @@ class Scheme:
     # The format leaves weights and activations as they are (full precision): a model under
     # it computes what the unquantized model computes.
     is_identity = False
+    # One number of the format is set by the whole tensor (NVFP4's global scale): the layers
+    # a serving engine fuses into one GEMM (q/k/v, gate/up) must share it, so `QuantLinear`
+    # hands such a scheme the largest max|w| of its fused group (`quantize(w, group_amax)`).
+    group_scaled = False
 
     def quantize(self, w: Tensor) -> QWeight:  # w [N, K] -> codes + scales
         raise NotImplementedError(f"{type(self).__name__} must define quantize")

@@ -155,13 +155,16 @@ class W4A8Scheme(Int4Scheme):
 class Nvfp4Scheme(Scheme):
     """W4A16 NVFP4: E2M1 values, E4M3 scale per 16, fp32 global scale; bf16 activations.
     QWeight: codes [N, K/2] uint8 (two FP4 E2M1 nibbles, low first); scales [N, K/16]
-    float8_e4m3fn; global_scale [] float32. Not row-separable: one global scale per tensor."""
+    float8_e4m3fn; global_scale [] float32. Not row-separable: one global scale per tensor,
+    shared by a fused group (q/k/v, gate/up): g = 448 * 6 / max over the group of max|w|, as
+    vLLM decodes a fused NVFP4 layer with one global scale (and llm-compressor writes one)."""
 
     name = "w4a16-nvfp4"
+    group_scaled = True
 
-    def quantize(self, w: Tensor) -> QWeight:
+    def quantize(self, w: Tensor, group_amax: Tensor | None = None) -> QWeight:
         self.check_weight(w)
-        codes, s, g = nm.nvfp4(w.detach())
+        codes, s, g = nm.nvfp4(w.detach(), amax=group_amax)
         return QWeight(self.name, tuple(w.shape), nm.pack_nibbles(codes), s, global_scale=g, group_size=16)
 
     def dequantize(self, qw: QWeight) -> Tensor:

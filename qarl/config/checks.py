@@ -322,10 +322,6 @@ def dist_is_possible(dist, rollout, train) -> list[Problem]:
         problems.append(Problem("dist.rollout_workers", f"{dist.rollout_workers} is more than "
                                 f"the {rollout.batch_size} sequences of a step "
                                 "(rollout.batch_size); lower it"))
-    if dist.rollout_workers > 1 and rollout.engine != "local":
-        problems.append(Problem("dist.rollout_workers", f"{dist.rollout_workers} workers run "
-                                f"local engines only; rollout.engine = {rollout.engine!r} is one "
-                                "engine: set rollout_workers = 1 or rollout.engine = 'local'"))
     micro_batches = rollout.batch_size // train.micro_batch_size
     if dist.learner_ranks > micro_batches:
         problems.append(Problem("dist.learner_ranks", f"{dist.learner_ranks} is more than the "

@@ -1,8 +1,9 @@
 """`RayEngines`: N rollout engines in Ray actors behind the one `qarl.rollout.Engine` protocol.
 
-Each actor builds its own engine with the factory it is given (the trainer passes the
-function that builds its in-process engine, so every actor runs the same decode path), and
-the trainer talks to `RayEngines` as it talks to one engine:
+Each actor builds its own engine with the factory it is given, called with the actor's index
+(the trainer passes the function that builds its in-process engine, local or vLLM, so every
+actor runs the same decode path; a vLLM actor writes its starting policy into its own
+folder), and the trainer talks to `RayEngines` as it talks to one engine:
 
 - `generate` splits the prompts into N contiguous shards (`shard_bounds`), runs them in
   parallel and joins the results in prompt order. Shard k is generated with
@@ -49,8 +50,8 @@ def shard_bounds(num_rows: int, num_shards: int) -> list[tuple[int, int]]:
 class EngineWorker:
     """One rollout engine in a Ray actor process (the body of each of RayEngines' actors)."""
 
-    def __init__(self, factory: Callable[[], object]):
-        self.engine = factory()
+    def __init__(self, factory: Callable[[int], object], index: int):
+        self.engine = factory(index)
 
     def generate(self, prompt_ids, sampling, seed, row_offset, prompt_width) -> RolloutBatch:
         return self.engine.generate(prompt_ids, sampling, seed, row_offset=row_offset,
@@ -77,18 +78,18 @@ class EngineWorker:
 
 
 class RayEngines:
-    """`num_workers` engines, each built by `factory()` in its own Ray actor; implements
+    """`num_workers` engines, actor k's built by `factory(k)` in that actor; implements
     `qarl.rollout.Engine`. Needs a connected Ray (`qarl.dist.connect`). Each actor reserves
     `cpus_per_worker` CPUs (Ray sets its torch threads to that) and `gpus_per_worker` GPUs."""
 
     # Called before each generate / score is dispatched (the trainer's stop-signal check).
     stop_check: Callable[[], None] = staticmethod(lambda: None)
 
-    def __init__(self, factory: Callable[[], object], num_workers: int, max_restarts: int = 3,
+    def __init__(self, factory: Callable[[int], object], num_workers: int, max_restarts: int = 3,
                  cpus_per_worker: float = 1, gpus_per_worker: float = 0):
         actor = ray.remote(EngineWorker).options(
             max_restarts=max_restarts, num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)
-        self.workers = [actor.remote(factory) for _ in range(num_workers)]
+        self.workers = [actor.remote(factory, k) for k in range(num_workers)]
         self.max_restarts = max_restarts
         self.pad_token_id: int = ray.get(self.workers[0].pad_token_id.remote())
         self.restarts = 0

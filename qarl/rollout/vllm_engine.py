@@ -136,9 +136,11 @@ class VLLMEngine:
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
                  seed: int, row_offset: int = 0, prompt_width: int = 0) -> RolloutBatch:
         """One response per prompt (see the module docstring and `qarl.rollout.Engine`); row i
-        samples with the seed of row `row_offset + i`. `prompt_width` is accepted for the
-        contract and unused: vLLM does not pad prompts."""
-        ids, prompt_mask = left_pad(prompt_ids, self.model.config.vocab_size, self.pad_token_id)
+        samples with the seed of row `row_offset + i`. The returned prompts are left-padded to
+        at least `prompt_width`, which also sets the response budget as for the whole batch
+        (vLLM itself runs the prompts unpadded)."""
+        ids, prompt_mask = left_pad(prompt_ids, self.model.config.vocab_size, self.pad_token_id,
+                                    width=prompt_width)
         budget = response_budget(self.max_context, ids.shape[1], sampling.max_new_tokens)
         params = [self._params(sampling, budget, row_seed(seed, row_offset + i))
                   for i in range(len(prompt_ids))]

@@ -161,20 +161,37 @@ def quantize_learner(learner: CausalLM, quant: QuantSection) -> CausalLM:
     return learner
 
 
-def build_engine(config: RunConfig) -> LocalEngine:
-    """The rollout engine of `config` built from the model files, as each Ray rollout worker
-    builds its own (the trainer's first weight push then replaces all its weights)."""
+def build_engine(config: RunConfig, worker: int = 0, run_dir: Path | None = None) -> Engine:
+    """The rollout engine of `config` built from the model files, as Ray rollout worker
+    `worker` builds its own (the trainer's first weight push then replaces all its weights);
+    a vLLM worker's starting policy goes to run_dir / "vllm_policy" / "worker<k>"."""
     model = load_model(config.model.name, dtype=DTYPES[config.model.master_dtype])
-    return LocalEngine.from_tokenizer(engine_copy(model, config.quant),
-                                      load_tokenizer(config.model.name),
+    tokenizer = load_tokenizer(config.model.name)
+    if config.rollout.engine == "vllm":
+        return vllm_engine(config, engine_copy(model, config.quant), tokenizer,
+                           Path(run_dir) / "vllm_policy" / f"worker{worker}")
+    return LocalEngine.from_tokenizer(engine_copy(model, config.quant), tokenizer,
                                       max_context=config.model.max_context)
+
+
+def vllm_engine(config: RunConfig, model: CausalLM, tokenizer: Tokenizer, folder: Path) -> Engine:
+    """A VLLMEngine serving `model` (its starting policy written to `folder`)."""
+    from qarl.rollout.vllm_engine import VLLMEngine  # imports vllm: only when asked for
+
+    # vLLM reserves KV cache for one request of the full context: bound it by the recipe
+    longest = config.task.max_prompt_tokens + max(config.rollout.max_new_tokens,
+                                                  config.eval.max_new_tokens)
+    return VLLMEngine.from_tokenizer(model, tokenizer, folder,
+                                     max_context=config.model.max_context or longest,
+                                     seed=config.run.seed)
 
 
 def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | None = None,
                  run_dir: Path | None = None) -> Policy:
     """The policy pair; `learner`, when given, replaces loading `model.name` (warm start).
     With rollout.engine = 'vllm' the engine is a VLLMEngine whose starting policy is written
-    to run_dir / "vllm_policy"; with dist.rollout_workers > 1, Ray actors of local engines."""
+    to run_dir / "vllm_policy"; with dist.rollout_workers > 1, Ray actors of such engines (on
+    one GPU each where vLLM runs on CUDA)."""
     if learner is None:
         learner = load_model(config.model.name, dtype=DTYPES[config.model.master_dtype])
     max_context = config.model.max_context
@@ -182,16 +199,12 @@ def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | No
         from qarl.dist import RayEngines, connect  # Ray only when the recipe asks for it
 
         connect(config.dist.address)
-        engine = RayEngines(partial(build_engine, config), config.dist.rollout_workers)
+        gpus = int(config.rollout.engine == "vllm" and torch.cuda.is_available())
+        engine = RayEngines(partial(build_engine, config, run_dir=run_dir),
+                            config.dist.rollout_workers, gpus_per_worker=gpus)
     elif config.rollout.engine == "vllm":
-        from qarl.rollout.vllm_engine import VLLMEngine  # imports vllm: only when asked for
-
-        # vLLM reserves KV cache for one request of the full context: bound it by the recipe
-        longest = config.task.max_prompt_tokens + max(config.rollout.max_new_tokens,
-                                                      config.eval.max_new_tokens)
-        engine = VLLMEngine.from_tokenizer(engine_copy(learner, config.quant), tokenizer,
-                                           Path(run_dir) / "vllm_policy",
-                                           max_context=max_context or longest, seed=config.run.seed)
+        engine = vllm_engine(config, engine_copy(learner, config.quant), tokenizer,
+                             Path(run_dir) / "vllm_policy")
     else:
         engine_model = engine_copy(learner, config.quant)  # copied before the learner is quantized
         engine = LocalEngine.from_tokenizer(engine_model, tokenizer, max_context=max_context)

@@ -72,10 +72,10 @@ def test_two_rollout_workers_sample_what_one_engine_samples(ray_session, tmp_pat
     assert torch.equal(replay, two.rollout_logp)
 
 
-def _dies_once(config, marker: str):
+def _dies_once(config, marker: str, worker: int):
     """build_engine, but the first engine to reach a decode step (in any actor) kills its own
     process there: a rollout actor dying mid-generation."""
-    engine = build_engine(config)
+    engine = build_engine(config, worker)
 
     def die_the_first_time():
         try:  # O_EXCL: of two actors reaching here at once, exactly one creates it and dies

@@ -268,3 +268,17 @@ def test_moe_table_has_routing_columns(moe_rows):
     assert lines[1].split()[3:5] == ["no", "0.0000"] and lines[2].split()[3:5] == ["no", "-"]
     dense = [{**r, "routing_replay": None, "routing_disagree_frac": None} for r in moe_rows[:1]]
     assert format_table(dense).splitlines()[0].split()[3] == "mean|Δ|"
+
+
+@pytest.mark.slow
+def test_smollm2_moe_kernel_exact_with_and_without_replay():
+    """On the upcycled smollm2-135m-moe (w8a8-int8, 4 prompts, 8 tokens): kernel alignment's
+    decode replay is bit-exact with the engine's experts on every token, with and without
+    routing replay; the naive learner routes some tokens elsewhere and mismatches."""
+    rows = parity_matrix("smollm2-135m-moe", ["w8a8-int8"], ("naive", "kernel"), num_prompts=4,
+                         max_new_tokens=8, include_full_sequence=False)
+    assert [(r["align"], r["routing_replay"]) for r in rows] == [
+        ("naive", False), ("naive", True), ("kernel", False), ("kernel", True)]
+    for r in rows[2:]:
+        assert r["bit_exact"] and r["routing_disagree_frac"] == 0.0
+    assert rows[0]["routing_disagree_frac"] > 0 and rows[0]["mean_abs_dlogp"] > 1e-3

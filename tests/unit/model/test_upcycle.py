@@ -158,3 +158,22 @@ def test_mixtral_config_round_trips_and_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="invalid mixtral config.*MoE MLP in every layer"):
         ModelConfig(family="mixtral", num_experts=4, num_experts_per_tok=2,
                     moe_intermediate_size=8, norm_topk_prob=True, mlp_only_layers=[1])
+
+
+def test_mixtral_compressed_tensors_export_uses_mixtral_names(tmp_path):
+    """A quantized Mixtral written as compressed-tensors (what `qarl export` and the vLLM
+    policy folder write) names its expert tensors and quantization targets as Mixtral
+    checkpoints do, and qarl reads the codes back under them."""
+    from qarl.export import read_ct
+    from qarl.export.run import RunPolicy, write_compressed_tensors
+
+    moe = upcycle(small_llama(), num_experts=4, top_k=2, seed=0)
+    policy = RunPolicy(tmp_path / "unused", "unused", "float32", "w8a8-int8")
+    write_compressed_tensors(moe, policy, "w8a8-int8", tmp_path / "ct")
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())
+    targets = config["quantization_config"]["config_groups"]["group_0"]["targets"]
+    assert "model.layers.1.block_sparse_moe.experts.3.w2" in targets
+    assert "model.layers.1.block_sparse_moe.gate" in config["quantization_config"]["ignore"]
+    assert not any(".mlp." in t for t in targets)
+    state = read_ct(tmp_path / "ct")
+    assert state["model.layers.0.block_sparse_moe.experts.0.w1.weight"].scheme == "w8a8-int8"

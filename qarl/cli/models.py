@@ -23,9 +23,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"preparing {name} ...", flush=True)
             print(f"  -> {prepare(name, force=args.force)}")
     print(f"zoo under QARL_HOME={qarl_home()}")
-    print(f"{'name':<14} {'family':<7} {'params':>6}  {'prepared':<8}  path / description")
+    w_name, w_family = max(map(len, ZOO)), max(len(e.family) for e in ZOO.values())
+    print(f"{'name':<{w_name}} {'family':<{w_family}} {'params':>6}  {'prepared':<8}  path / description")
     for name, entry in sorted(ZOO.items()):
         state = "yes" if is_prepared(name) else "no"
         where = model_folder(name) if is_prepared(name) else entry.description
-        print(f"{name:<14} {entry.family:<7} {entry.params:>6}  {state:<8}  {where}")
+        print(f"{name:<{w_name}} {entry.family:<{w_family}} {entry.params:>6}  {state:<8}  {where}")
     return 0

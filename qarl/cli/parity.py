@@ -1,7 +1,8 @@
 """`qarl parity [RECIPE] [--section.key=value ...] [flags]`: the learner-vs-sampler logprob
 mismatch per scheme and alignment (qarl.train.parity). With a recipe (or overrides), its
 model and its [quant] include / exclude / options are measured, and its quant.scheme is the
-default scheme; the flags below override the recipe."""
+default scheme; the flags below override the recipe. A mixture-of-experts model gets each row
+without and with routing replay, with the fraction of tokens routed to other experts."""
 
 from __future__ import annotations
 

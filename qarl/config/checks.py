@@ -30,6 +30,7 @@ from qarl.algo import (
 from qarl.config.errors import Problem, short, suggest, unknown_key
 from qarl.config.compare_schema import flatten_overrides
 from qarl.model import SUPPORTED_ARCHITECTURES, ZOO
+from qarl.model.config import MOE_FAMILIES
 from qarl.quant import SCHEMES, scheme_options
 from qarl.tasks import REWARDS, TASKS, task_options
 
@@ -275,11 +276,11 @@ def vllm_engine_fits(rollout, quant) -> list[Problem]:
 
 
 def routing_replay_needs_moe(model, quant) -> list[Problem]:
-    """quant.routing_replay = true needs a mixture-of-experts model (family qwen3_moe)."""
+    """quant.routing_replay = true needs a mixture-of-experts model (qwen3_moe or mixtral)."""
     if not quant.routing_replay:
         return []
     family = model_family(model.name)
-    if family in (None, "qwen3_moe"):  # unknown here (no such path, a .gguf): loading decides
+    if family is None or family in MOE_FAMILIES:  # unknown here (no such path, a .gguf): loading decides
         return []
     return [Problem("quant.routing_replay", f"true, but model {short(model.name)} is a dense "
                                             f"{family} model with no experts to replay; set it "

@@ -114,7 +114,7 @@ class QuantSection(BaseModel):
     )
     routing_replay: bool = Field(False, description="MoE models: the learner uses the experts the "
         "engine chose for each token (its own router's probabilities weight them) in old_logp "
-        "and the update (routing replay, R3). Needs a qwen3_moe model.")
+        "and the update (routing replay, R3). Needs a MoE model (qwen3_moe, mixtral).")
 
 
 class RolloutSection(BaseModel):

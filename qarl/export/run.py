@@ -34,6 +34,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 from qarl.export.compressed_tensors import WEIGHTS_FILE, ct_state, quantization_config
 from qarl.model import CausalLM, load_model, load_tokenizer, save_model
+from qarl.model.names import state_on_disk
 from qarl.model.zoo import resolve
 from qarl.quant import SCHEMES, QWeight, export_state, quantize_model
 from qarl.quant.apply import FUSED_GROUPS
@@ -141,8 +142,9 @@ def write_compressed_tensors(model: CausalLM, policy: RunPolicy, scheme: str, ou
     layout; everything is converted (and refused, when it cannot be written) before a file
     is written."""
     state = quantized_state(model, policy, scheme)
-    tensors, config = ct_state(state), quantization_config(state)
     warn_split_global_scales(state)
+    state = state_on_disk(model.config.family, state)  # Mixtral's expert names
+    tensors, config = ct_state(state), quantization_config(state)
     hf = model.config.to_hf()
     hf["dtype"] = policy.master_dtype
     # A quantized lm_head is its own tensor: tying it to the embedding would drop its codes.

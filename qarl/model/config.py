@@ -11,14 +11,17 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 _HF_NAME = {family: hf for hf, family in SUPPORTED_ARCHITECTURES.items()}
 
 
 @dataclass
 class ModelConfig:
     """A decoder: Llama (plain), Qwen2 (bias on q/k/v), Qwen3 (RMSNorm on q and k), Qwen3-MoE
-    (Qwen3 with sparse mixture-of-experts MLPs in the layers `moe_layers` names)."""
+    (Qwen3 with sparse mixture-of-experts MLPs in the layers `moe_layers` names), Mixtral
+    (Llama with a MoE MLP in every layer, top-k probabilities always renormalized)."""
 
     family: str = "qwen3"
     vocab_size: int = 1024
@@ -36,7 +39,8 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v bias (Qwen2); o_proj never has one
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-    # qwen3_moe only (HF names): experts per MoE layer, experts per token, each expert's
+    # MoE families only (Qwen3-MoE's HF names; Mixtral fixes norm_topk_prob = true,
+    # decoder_sparse_step = 1, mlp_only_layers = [], intermediate_size = the expert width): experts per MoE layer, experts per token, each expert's
     # SwiGLU width, renormalize the top-k router probabilities, every decoder_sparse_step-th
     # layer is MoE except those in mlp_only_layers (those keep a dense intermediate_size MLP)
     num_experts: int = 0
@@ -59,7 +63,7 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads}) for grouped-query attention"
             )
-        if self.family == "qwen3_moe":
+        if self.family in MOE_FAMILIES:
             self._check_moe()
 
     def _check_moe(self) -> None:
@@ -72,8 +76,13 @@ class ModelConfig:
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             problems.append(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
                             f"[1, num_experts = {self.num_experts}]")
+        if self.family == "mixtral" and (not self.norm_topk_prob or self.decoder_sparse_step != 1
+                                         or self.mlp_only_layers or self.attention_bias):
+            problems.append("mixtral has a MoE MLP in every layer, renormalized top-k "
+                            "probabilities and no attention bias (norm_topk_prob = true, "
+                            "decoder_sparse_step = 1, mlp_only_layers = [])")
         if problems:
-            raise ValueError("invalid qwen3_moe config: " + "; ".join(problems))
+            raise ValueError(f"invalid {self.family} config: " + "; ".join(problems))
 
     @property
     def qk_norm(self) -> bool:
@@ -82,7 +91,7 @@ class ModelConfig:
     @property
     def moe_layers(self) -> tuple[int, ...]:
         """Indices of the decoder layers with a sparse MoE MLP (HF's rule); () when dense."""
-        if self.family != "qwen3_moe":
+        if self.family not in MOE_FAMILIES:
             return ()
         return tuple(i for i in range(self.num_layers)
                      if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0)
@@ -110,6 +119,11 @@ class ModelConfig:
             "attention_bias", "bos_token_id", "eos_token_id", "architectures", "model_type",
             "rope_parameters", *_MOE_KEYS, "num_local_experts",
         }
+        if family == "mixtral":  # checked here (None: no sliding window), written by to_hf
+            known.add("sliding_window")
+            if hf.get("sliding_window") is not None:
+                raise ValueError(f"Mixtral with sliding_window = {hf['sliding_window']} is not "
+                                 f"supported; qarl's attention is full (sliding_window = null)")
         # transformers >= 5 writes rope_theta and the scaling together as `rope_parameters`.
         rope = dict(hf.get("rope_parameters") or {})
         rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
@@ -140,7 +154,8 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             extra={k: v for k, v in hf.items() if k not in known},
-            **(_moe_from_hf(hf) if family == "qwen3_moe" else {}),
+            **(_moe_from_hf(hf) if family == "qwen3_moe" else
+               _mixtral_from_hf(hf) if family == "mixtral" else {}),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -166,6 +181,9 @@ class ModelConfig:
         )
         if self.family == "qwen3_moe":
             hf.update({key: getattr(self, key) for key in _MOE_KEYS})
+        if self.family == "mixtral":
+            hf.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                      intermediate_size=self.moe_intermediate_size, sliding_window=None)
         if self.family == "llama":
             hf["attention_bias"] = self.attention_bias
             hf["mlp_bias"] = False
@@ -189,3 +207,10 @@ def _moe_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         decoder_sparse_step=hf.get("decoder_sparse_step", 1),
         mlp_only_layers=list(hf.get("mlp_only_layers") or []),
     )
+
+
+def _mixtral_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    # Mixtral: every layer MoE, experts of width intermediate_size, top-k always renormalized
+    return dict(num_experts=hf.get("num_local_experts", hf.get("num_experts", 0)),
+                num_experts_per_tok=hf.get("num_experts_per_tok", 0),
+                moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True)

@@ -4,6 +4,8 @@ Paths `read_model` accepts (`qarl.model.load_model` also takes zoo names, see so
 - a folder with `config.json` and `model.safetensors`, or sharded weights listed in
   `model.safetensors.index.json` (what `save_pretrained` writes);
 - a `.gguf` file, read with transformers' GGUF reader (the `gguf` package dequantizes).
+Checkpoint names are mapped to the decoder's where a family stores them apart (Mixtral's
+experts, `qarl.model.names`), both ways.
 
 Only safetensors and GGUF are read: nothing is ever unpickled (`torch.load`).
 Tied embeddings: the file stores the embedding once and `lm_head` shares it, as in HF.
@@ -20,6 +22,7 @@ from torch import Tensor
 
 from qarl.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from qarl.model.decoder import CausalLM, rope_inverse_frequencies
+from qarl.model.names import state_in_memory, state_on_disk
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -44,7 +47,7 @@ def read_model(path: Path, dtype: torch.dtype = torch.float32) -> CausalLM:
         hf_config, state = read_gguf(path, dtype)
         return build_model(model_config_from_hf(hf_config, source=path), state, dtype, source=path)
     config = model_config_from_hf(read_hf_config(path), source=path)  # before reading weights
-    return build_model(config, read_safetensors(path), dtype, source=path)
+    return build_model(config, state_in_memory(config.family, read_safetensors(path)), dtype, source=path)
 
 
 def read_hf_config(folder: Path) -> dict:
@@ -156,6 +159,7 @@ def save_model(model: CausalLM, folder: str | Path) -> Path:
     state = model.state_dict()
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight")
+    state = state_on_disk(model.config.family, state)
     tensors = {k: v.detach().contiguous() for k, v in sorted(state.items())}
     save_file(tensors, folder / WEIGHTS_FILE, metadata={"format": "pt"})
     return folder

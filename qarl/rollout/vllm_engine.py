@@ -61,9 +61,10 @@ def write_policy_folder(model: CausalLM, folder: Path) -> Path:
     """`model`'s current weights as a folder vLLM loads: config.json (+ the compressed-tensors
     `quantization_config` when a layer is quantized) and model.safetensors (tied lm_head once)."""
     from qarl.export import ct_state, quantization_config
+    from qarl.model.names import state_on_disk
     from qarl.quant import QWeight, export_state
 
-    state = export_state(model)
+    state = state_on_disk(model.config.family, export_state(model))  # Mixtral's expert names
     folder.mkdir(parents=True, exist_ok=True)
     config = model.config.to_hf()
     config["dtype"] = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")

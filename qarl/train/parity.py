@@ -19,6 +19,14 @@ tokens: mean / max |d_t|, k3-KL (KL(sampler || learner) per token), the sequence
 mismatch ratio rho_i = exp(mean_t d_t) (mean, min, max), mean |d_t| per response-position
 bucket, the token count, whether old_logp equals rollout_logp bit for bit, and the seconds the
 arm took. Scheme `none` is the floor: both sides full precision, one row per path.
+
+Mixture-of-experts models (local engine, which records each token's experts in
+`batch.routed_experts`): every row comes twice, without and with routing replay (the learner
+uses the engine's experts, weighted by its own router, as `quant.routing_replay` does in
+training), and decode-replay rows carry the routing disagreement: the fraction of response
+tokens whose learner top-k expert set differs from the engine's, averaged over MoE layers
+(`qarl.algo.diagnostics.routing_disagreement`; with replay it is still the learner routers'
+own top-k, given the replayed experts of the layers below, as training logs it).
 See docs/alignment.md for what the numbers mean and a measured matrix.
 
 `engine="vllm"`: the samples come from a `VLLMEngine` (vLLM in this process, fed qarl's codes
@@ -61,6 +69,9 @@ class Arm:
     batch: RolloutBatch  # the engine's samples; batch.rollout_logp [N, L] float32
     seconds: float  # learner build + weight push + scoring
     learner_layers: tuple[str, ...]  # the learner's QuantLinear layers (none when naive)
+    routing_replay: bool | None = None  # MoE: learner ran the engine's experts; None: dense
+    # MoE decode-replay: the learner routers' own top-k, [N, P + L, moe_layers, k] int16
+    learner_routing: Tensor | None = None
 
 
 def check_names(schemes: Sequence[str], aligns: Sequence[str], options: dict | None = None,
@@ -177,6 +188,9 @@ def run_arms(
     pristine = load_model(model_name)
     prompts = encode_prompts(tokenizer, num_prompts, seed)
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
+    # MoE: rows without and with routing replay (the local engine records the experts it used)
+    moe = bool(pristine.config.moe_layers)
+    replays = ((False, True) if engine == "local" else (False,)) if moe else (None,)
     for scheme in schemes:
         identity = SCHEMES[scheme].is_identity
         sampler = _make_engine(engine, engine_copy(pristine, quant.model_copy(
@@ -191,24 +205,34 @@ def run_arms(
             sampler.load_weights(export_state(learner))
             _check_same_codes(sampled_with, _engine_codes(sampler), scheme, align)
             scorer = LocalEngine.from_tokenizer(learner, tokenizer)
-            old_logp = scorer.score(batch, sampling)
             layers = tuple(quant_layers(learner))
-            yield Arm(scheme, align, DECODE_REPLAY, old_logp, batch, time.perf_counter() - start, layers)
-            if include_full_sequence and (align == "kernel" or identity):
+            for replay in replays:
+                old_logp, routing = scorer.score_routing(batch, sampling, replay=bool(replay))
+                yield Arm(scheme, align, DECODE_REPLAY, old_logp, batch,
+                          time.perf_counter() - start, layers, replay, routing)
+                if include_full_sequence and (align == "kernel" or identity):
+                    start = time.perf_counter()
+                    with torch.no_grad():
+                        fast, _ = response_logprobs(learner, batch, temperature,
+                                                    routing_replay=bool(replay))
+                    yield Arm(scheme, align, FULL_SEQUENCE, fast, batch,
+                              time.perf_counter() - start, layers, replay)
                 start = time.perf_counter()
-                with torch.no_grad():
-                    fast, _ = response_logprobs(learner, batch, temperature)
-                yield Arm(scheme, align, FULL_SEQUENCE, fast, batch, time.perf_counter() - start, layers)
 
 
 def arm_row(arm: Arm) -> dict:
     """The JSON row of one arm (plain Python numbers; empty position buckets left out)."""
-    from qarl.algo.diagnostics import mismatch_by_position, mismatch_metrics
+    from qarl.algo.diagnostics import mismatch_by_position, mismatch_metrics, routing_disagreement
 
     batch = arm.batch
     m = mismatch_metrics(arm.old_logp, batch.rollout_logp, batch.response_mask)
     buckets = mismatch_by_position(arm.old_logp, batch.rollout_logp, batch.response_mask,
                                    POSITION_BUCKETS)
+    disagree = None
+    if arm.learner_routing is not None and batch.routed_experts is not None:
+        P = batch.prompt_ids.shape[1]
+        disagree = routing_disagreement(arm.learner_routing[:, P:], batch.routed_experts[:, P:],
+                                        batch.response_mask)["routing_disagree_frac"]
     return {
         "scheme": arm.scheme,
         "align": arm.align,
@@ -223,6 +247,8 @@ def arm_row(arm: Arm) -> dict:
         "bit_exact": bool(torch.equal(arm.old_logp, batch.rollout_logp)),
         "num_tokens": int(batch.response_mask.sum()),
         "seconds": round(arm.seconds, 3),
+        "routing_replay": arm.routing_replay,  # None: a dense model
+        "routing_disagree_frac": disagree,  # None: dense, or a full-sequence row
     }
 
 
@@ -259,14 +285,17 @@ def _num(value: float) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    """Rows as an aligned text table; one column per response-position bucket seen."""
+    """Rows as an aligned text table; one column per response-position bucket seen; MoE rows
+    add the routing replay flag and the routing disagreement fraction after the path."""
     buckets = sorted({b for r in rows for b in r["by_position"]}, key=lambda b: int(b.split("-")[0].rstrip("+")))
-    header = ["scheme", "align", "path", "mean|Δ|", "max|Δ|", "k3-KL", "ρ mean", "ρ min", "ρ max",
+    moe = any(r.get("routing_replay") is not None for r in rows)
+    header = ["scheme", "align", "path", *(("replay", "route≠") if moe else ()), "mean|Δ|", "max|Δ|", "k3-KL", "ρ mean", "ρ min", "ρ max",
               "exact", *(f"|Δ| @{b}" for b in buckets), "tokens", "s"]
     lines = [header]
     for r in rows:
         lines.append([
-            r["scheme"], r["align"], r["path"], _num(r["mean_abs_dlogp"]), _num(r["max_abs_dlogp"]),
+            r["scheme"], r["align"], r["path"], *(_routing_cells(r) if moe else ()),
+            _num(r["mean_abs_dlogp"]), _num(r["max_abs_dlogp"]),
             _num(r["k3_kl"]), *(f"{r[k]:.6f}" for k in ("seq_ratio_mean", "seq_ratio_min", "seq_ratio_max")),
             "yes" if r["bit_exact"] else "no",
             *(_num(r["by_position"][b]) if b in r["by_position"] else "-" for b in buckets),
@@ -276,7 +305,14 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
 
 
+def _routing_cells(row: dict) -> tuple[str, str]:
+    disagree = row["routing_disagree_frac"]
+    return ("yes" if row["routing_replay"] else "no",
+            "-" if disagree is None else f"{disagree:.4f}")
+
+
 def progress_line(arm: Arm, row: dict) -> str:
     """The line printed when an arm is done (a smollm2 matrix takes minutes)."""
-    return (f"parity {arm.scheme}/{arm.align}/{arm.path}: mean|Δ| {_num(row['mean_abs_dlogp'])} "
+    replay = "" if arm.routing_replay is None else f"/replay={'yes' if arm.routing_replay else 'no'}"
+    return (f"parity {arm.scheme}/{arm.align}/{arm.path}{replay}: mean|Δ| {_num(row['mean_abs_dlogp'])} "
             f"({arm.seconds:.1f} s)")

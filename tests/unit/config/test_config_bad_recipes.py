@@ -96,7 +96,7 @@ BAD_RECIPES = [
      ["model.master_dtype: should be 'float32' or 'bfloat16'", "(got 'float16')"]),
     ("model-missing", ["--model.name=./nope/model.gguf"],
      ["model.name: './nope/model.gguf' is neither a zoo model nor an existing path",
-      "zoo models: smollm2-135m, tiny"]),
+      "zoo models: smollm2-135m, smollm2-135m-moe, tiny"]),
     ("rollout-exceeds-context", ["--model.max_context=280", "--eval.max_new_tokens=8"],
      ["rollout.max_new_tokens: 32 + task.max_prompt_tokens (256) exceeds model.max_context "
       "(280)"]),

@@ -1,4 +1,5 @@
-"""The embedded zoo: tiny's determinism, smollm2-135m against transformers, `qarl models`."""
+"""The embedded zoo: tiny's determinism, smollm2-135m against transformers, its upcycled MoE
+against itself, `qarl models`."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def test_tiny_moe_model(tiny_moe_dir, tiny_dir):
 def test_resolve_prefers_existing_paths_and_rejects_unknown_names(tmp_path, qarl_home):
     """An existing path resolves to itself; an unknown zoo key raises listing the zoo."""
     assert zoo.resolve(tmp_path) == tmp_path
-    with pytest.raises(KeyError, match=r"unknown zoo model 'nope'.*\['smollm2-135m', 'tiny', 'tiny-moe'\]"):
+    with pytest.raises(KeyError, match=r"unknown zoo model 'nope'.*\['smollm2-135m', 'smollm2-135m-moe', 'tiny', 'tiny-moe'\]"):
         zoo.prepare("nope")
 
 
@@ -128,3 +129,49 @@ def test_gguf_file_loads_directly():
         assert torch.equal(direct.state_dict()[name], tensor), name
     text = load_tokenizer("smollm2-135m").apply_chat("What is 2 + 3?")
     assert load_tokenizer(gguf).encode(text) == load_tokenizer("smollm2-135m").encode(text)
+
+
+# Measured max |Δlogit| of smollm2-135m-moe vs smollm2-135m: 4.3e-5 on logits up to 36 (four
+# prompts); 30 layers of fp32 rounding (each MoE layer adds w1 * f + w2 * f, w1 + w2 = 1
+# within an ulp), so the bound is 1e-4, as for smollm2 vs transformers.
+SMOLLM2_MOE_ATOL = 1e-4
+
+
+@pytest.mark.slow
+def test_smollm2_moe_equals_dense_smollm2(smollm2_dir):
+    """smollm2-135m-moe (prepared from the dense zoo model: ~1 min, 1.5 GB) is a Mixtral of 4
+    experts, top-2, in each of 30 layers, ~373M parameters, with smollm2's tokenizer files,
+    and its logits equal the dense model's within SMOLLM2_MOE_ATOL on chat prompts, with the
+    same argmax token everywhere."""
+    moe, dense = load_model("smollm2-135m-moe"), load_model("smollm2-135m")
+    c = moe.config
+    assert (c.family, c.num_experts, c.num_experts_per_tok, len(c.moe_layers)) == ("mixtral", 4, 2, 30)
+    assert 3.6e8 < sum(p.numel() for p in moe.parameters()) < 3.9e8
+    folder = zoo.model_folder("smollm2-135m-moe")
+    assert (folder / "tokenizer.json").read_bytes() == (smollm2_dir / "tokenizer.json").read_bytes()
+    tok = load_tokenizer("smollm2-135m-moe")
+    for prompt in ("What is 7 + 5?", "The capital of France is", "def fibonacci(n):"):
+        ids = torch.tensor([tok.apply_chat(prompt, tokenize=True)])
+        with torch.no_grad():
+            expected, got = dense.logits(ids), moe.logits(ids)
+        torch.testing.assert_close(got, expected, atol=SMOLLM2_MOE_ATOL, rtol=0)
+        assert torch.equal(got.argmax(-1), expected.argmax(-1)) and expected.abs().max() > 20
+
+
+@pytest.mark.slow
+def test_smollm2_moe_is_deterministic(tmp_path, monkeypatch, smollm2_dir):
+    """Preparing smollm2-135m-moe twice (fresh homes sharing the dense model) writes
+    byte-identical files."""
+    import os
+
+    folders = []
+    for run in ("a", "b"):
+        home = tmp_path / run
+        (home / "models").mkdir(parents=True)
+        os.symlink(smollm2_dir, home / "models" / "smollm2-135m")
+        monkeypatch.setenv("QARL_HOME", str(home))
+        folders.append(zoo.prepare("smollm2-135m-moe"))
+    names = sorted(p.name for p in folders[0].iterdir())
+    assert names == sorted(p.name for p in folders[1].iterdir())
+    for name in names:
+        assert (folders[0] / name).read_bytes() == (folders[1] / name).read_bytes(), name

@@ -84,10 +84,12 @@ def test_routing_disagreement_counts_sets_over_recorded_tokens():
 
 
 def test_routing_replay_needs_a_moe_model():
-    """quant.routing_replay on a dense model is refused, naming the model; on tiny-moe it loads."""
+    """quant.routing_replay on a dense model is refused, naming the model; on tiny-moe
+    (qwen3_moe) and smollm2-135m-moe (mixtral) it loads."""
     with pytest.raises(ConfigError, match="quant.routing_replay.*dense qwen3"):
         load_config("tiny", {"quant.routing_replay": True})
     assert load_config("tiny", {"quant.routing_replay": True, "model.name": "tiny-moe"})
+    assert load_config("tiny", {"quant.routing_replay": True, "model.name": "smollm2-135m-moe"})
 
 
 def test_quantized_experts_round_trip_through_checkpoints(tiny_moe_dir, tmp_path):

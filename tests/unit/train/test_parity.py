@@ -1,4 +1,5 @@
-"""`qarl parity`: exact kernel alignment, the full-precision floor, the 100x claim, CLI output.
+"""`qarl parity`: exact kernel alignment, the full-precision floor, the 100x claim, CLI output,
+the routing replay rows of a mixture-of-experts model.
 
 One module-scoped matrix on the zoo's `tiny` model (all schemes x all alignments, 8 prompts,
 12 new tokens at temperature 1) feeds the property tests; the CLI tests run smaller ones.
@@ -23,6 +24,7 @@ QUANTIZED = [s for s in SCHEMES if not SCHEMES[s].is_identity]
 ROW_KEYS = {
     "scheme", "align", "path", "mean_abs_dlogp", "max_abs_dlogp", "k3_kl", "seq_ratio_mean",
     "seq_ratio_min", "seq_ratio_max", "by_position", "num_tokens", "seconds", "bit_exact",
+    "routing_replay", "routing_disagree_frac",
 }
 
 
@@ -210,3 +212,73 @@ def test_smollm2_kernel_exact_and_100x_below_naive():
         assert torch.equal(kernel.old_logp, kernel.batch.rollout_logp)
         naive = arm_row(arms[(scheme, "naive")])["mean_abs_dlogp"]
         assert naive > 1e-4 and arm_row(kernel)["mean_abs_dlogp"] <= 1e-2 * naive
+
+
+@pytest.fixture(scope="module")
+def moe_rows(tiny_moe_dir):
+    """Rows of tiny-moe (schemes none and w4a16-int4, every alignment, 6 prompts, 12 tokens)."""
+    return parity_matrix(str(tiny_moe_dir), ["none", "w4a16-int4"], ALIGNS, num_prompts=6,
+                         max_new_tokens=12)
+
+
+def test_moe_rows_come_without_and_with_routing_replay(moe_rows):
+    """A MoE model gets every (scheme, align, path) row twice, routing replay off then on;
+    decode-replay rows carry a routing disagreement fraction in [0, 1], full-sequence rows
+    none (they record no routing)."""
+    keys = [(r["scheme"], r["align"], r["path"], r["routing_replay"]) for r in moe_rows]
+    expected = [("none", "naive", p, replay) for replay in (False, True)
+                for p in (DECODE_REPLAY, FULL_SEQUENCE)]
+    expected += [("w4a16-int4", "naive", DECODE_REPLAY, r) for r in (False, True)]
+    expected += [("w4a16-int4", "fake", DECODE_REPLAY, r) for r in (False, True)]
+    expected += [("w4a16-int4", "kernel", p, replay) for replay in (False, True)
+                 for p in (DECODE_REPLAY, FULL_SEQUENCE)]
+    assert keys == expected
+    for r in moe_rows:
+        assert set(r) == ROW_KEYS
+        disagree = r["routing_disagree_frac"]
+        assert (disagree is None) == (r["path"] == FULL_SEQUENCE)
+        assert disagree is None or 0.0 <= disagree <= 1.0
+
+
+def test_moe_kernel_rows_are_exact_with_and_without_replay(moe_rows):
+    """Kernel alignment on tiny-moe: decode replay reproduces the sampler's logprobs bit for
+    bit and the learner's routers choose the engine's experts on every token (disagreement 0),
+    with and without routing replay; the full-precision floor too."""
+    for r in moe_rows:
+        if r["path"] == DECODE_REPLAY and (r["align"] == "kernel" or r["scheme"] == "none"):
+            assert r["bit_exact"] and r["max_abs_dlogp"] == 0.0, r
+            assert r["routing_disagree_frac"] == 0.0, r
+
+
+def test_moe_naive_rows_disagree_on_routing(moe_rows):
+    """Naive int4 rollouts on tiny-moe: the full-precision learner picks other experts than
+    the engine on some tokens, with replay on too (its routers' own top-k, given the replayed
+    experts of the layers below), and its logprobs mismatch."""
+    naive = [r for r in moe_rows if (r["scheme"], r["align"]) == ("w4a16-int4", "naive")]
+    assert len(naive) == 2
+    assert naive[0]["routing_disagree_frac"] > 0.05 and naive[1]["routing_disagree_frac"] > 0.05
+    assert all(r["mean_abs_dlogp"] > 1e-3 for r in naive)
+
+
+def test_moe_table_has_routing_columns(moe_rows):
+    """The table of MoE rows shows the replay flag and the disagreement after the path;
+    a dense table keeps its columns."""
+    lines = format_table(moe_rows).splitlines()
+    assert lines[0].split()[:5] == ["scheme", "align", "path", "replay", "route≠"]
+    assert lines[1].split()[3:5] == ["no", "0.0000"] and lines[2].split()[3:5] == ["no", "-"]
+    dense = [{**r, "routing_replay": None, "routing_disagree_frac": None} for r in moe_rows[:1]]
+    assert format_table(dense).splitlines()[0].split()[3] == "mean|Δ|"
+
+
+@pytest.mark.slow
+def test_smollm2_moe_kernel_exact_with_and_without_replay():
+    """On the upcycled smollm2-135m-moe (w8a8-int8, 4 prompts, 8 tokens): kernel alignment's
+    decode replay is bit-exact with the engine's experts on every token, with and without
+    routing replay; the naive learner routes some tokens elsewhere and mismatches."""
+    rows = parity_matrix("smollm2-135m-moe", ["w8a8-int8"], ("naive", "kernel"), num_prompts=4,
+                         max_new_tokens=8, include_full_sequence=False)
+    assert [(r["align"], r["routing_replay"]) for r in rows] == [
+        ("naive", False), ("naive", True), ("kernel", False), ("kernel", True)]
+    for r in rows[2:]:
+        assert r["bit_exact"] and r["routing_disagree_frac"] == 0.0
+    assert rows[0]["routing_disagree_frac"] > 0 and rows[0]["mean_abs_dlogp"] > 1e-3

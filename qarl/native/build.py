@@ -32,7 +32,8 @@ DISABLE_ENV = "QARL_NATIVE"  # QARL_NATIVE=0 turns the native kernels off
 _state: dict = {}
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """The x86 feature flags of this CPU (/proc/cpuinfo); empty where unknown."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -116,7 +117,7 @@ def load() -> ctypes.CDLL | None:
         why = f"turned off by {DISABLE_ENV}=0"
     elif platform.machine() not in ("x86_64", "AMD64"):
         why = f"the kernels are x86-64 AVX2 code; this machine is {platform.machine()}"
-    elif not {"avx2", "fma"} <= _cpu_flags():
+    elif not {"avx2", "fma"} <= cpu_flags():
         why = "this CPU lacks AVX2 or FMA"
     elif cc is None:
         why = "no C compiler found (install gcc, or set CC)"

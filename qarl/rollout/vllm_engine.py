@@ -63,6 +63,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from qarl.model.decoder import CausalLM
+from qarl.native import build as native_build
 from qarl.rollout.engine import left_pad, response_budget
 from qarl.rollout.sampling import row_seed
 from qarl.types import FINISH_LENGTH, FINISH_STOP, RolloutBatch, SamplingParams
@@ -79,19 +80,8 @@ def int8_gemm_saturates(cpu_flags: set[str] | None = None) -> bool:
     with saturation here: an x86 CPU (`cpu_flags` from /proc/cpuinfo, read when None) with no
     VNNI / AMX-INT8 instruction (module docstring). False off x86 or where the flags are
     unknown."""
-    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    flags = native_build.cpu_flags() if cpu_flags is None else cpu_flags
     return "sse2" in flags and not any(f in flags for f in VNNI_FLAGS)
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
 
 
 def write_policy_folder(model: CausalLM, folder: Path) -> Path:

@@ -5,7 +5,6 @@ ray)."""
 from __future__ import annotations
 
 import copy
-import signal
 from functools import partial
 
 import pytest
@@ -22,16 +21,6 @@ from qarl.train.setup import build_engine, open_run, sampling_params  # noqa: E4
 from qarl.train.sft import warm_start  # noqa: E402
 
 FIELDS = ["prompt_ids", "prompt_mask", "response_ids", "response_mask", "rollout_logp"]
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    handler = signal.getsignal(signal.SIGTERM)  # ray.init installs its own
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             object_store_memory=200 * 2**20)
-    yield
-    ray.shutdown()
-    signal.signal(signal.SIGTERM, handler)
 
 
 def test_two_vllm_workers_sample_what_one_vllm_engine_samples(ray_session, tmp_path):

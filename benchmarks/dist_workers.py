@@ -1,13 +1,17 @@
-"""RL step time on `tiny` with 1 (in-process) vs N Ray rollout workers, as one JSON object.
+"""RL step time on `tiny` with 1 (in-process) vs N Ray rollout workers, or with learner
+ranks placed locally or by Ray, as one JSON object.
 
-For each worker count, the recipe's policy is built (Ray actors started and given the weights
-before timing), one untimed step warms up, then `--steps` steps of `rl_step` are timed; the
-output holds the mean seconds per step and per phase (`time/generate`, `time/sync`, ...),
-the one-off start-up (`setup_s`: Ray and the actors) and the load average before and after.
-Ray runs a local cluster with `--cpus` CPUs. On a machine with fewer cores than engines
-plus learner, more workers cannot be faster: the figure is what the transport costs.
+For each arm, the recipe's policy is built (Ray actors and learner ranks started and given
+the weights before timing), one untimed step warms up, then `--steps` steps of `rl_step` are
+timed; the output holds the mean seconds per step and per phase (`time/generate`,
+`time/update`, `time/sync`, ...), the one-off start-up (`setup_s`: Ray, the actors, the
+ranks) and the load average before and after. Ray runs a local cluster with `--cpus` CPUs.
+On a machine with fewer cores than engines plus learner, more processes cannot be faster:
+the figure is what the transport costs.
 
     nice -n 19 .venv/bin/python benchmarks/dist_workers.py --workers 1 2 --steps 3
+    nice -n 19 .venv/bin/python benchmarks/dist_workers.py --workers 1 --ranks 2 \
+        --placement local ray --steps 3
 """
 
 from __future__ import annotations
@@ -21,44 +25,53 @@ import time
 
 from qarl.config import load_config
 from qarl.train.optim import build_optimizer
+from qarl.train.ranks import learner_ranks
 from qarl.train.setup import open_run
 from qarl.train.sft import warm_start
 from qarl.train.trainer import rl_step
 
 
-def measure(workers: int, steps: int, output_dir: str) -> dict:
-    config = load_config("tiny", {"run.output_dir": output_dir, "run.name": f"w{workers}",
-                                  "dist.rollout_workers": workers})
+def measure(workers: int, ranks: int, placement: str, steps: int, output_dir: str) -> dict:
+    config = load_config("tiny", {"run.output_dir": output_dir,
+                                  "run.name": f"w{workers}-r{ranks}-{placement}",
+                                  "dist.rollout_workers": workers, "dist.learner_ranks": ranks,
+                                  "dist.learner_placement": placement})
     learner = warm_start(config)
     start = time.perf_counter()
     with open_run(config, learner=learner) as (_, policy, data):
         optimizers = build_optimizer(policy.learner, "adamw", config.train.lr)
-        policy.sync.push()
-        setup_s = time.perf_counter() - start
-        rl_step(policy, data, optimizers, config, step=0)  # warm-up: plans, first pushes
-        rows = []
-        for step in range(1, steps + 1):
-            began = time.perf_counter()
-            metrics = rl_step(policy, data, optimizers, config, step)
-            rows.append({"step_s": time.perf_counter() - began,
-                         **{k: v for k, v in metrics.items() if k.startswith("time/")}})
+        with learner_ranks(config, policy.learner, optimizers) as policy.ranks:
+            policy.sync.push()
+            setup_s = time.perf_counter() - start
+            rl_step(policy, data, optimizers, config, step=0)  # warm-up: plans, first pushes
+            rows = []
+            for step in range(1, steps + 1):
+                began = time.perf_counter()
+                metrics = rl_step(policy, data, optimizers, config, step)
+                rows.append({"step_s": time.perf_counter() - began,
+                             **{k: v for k, v in metrics.items() if k.startswith("time/")}})
     mean = {k: round(sum(r[k] for r in rows) / len(rows), 3) for k in rows[0]}
-    return {"rollout_workers": workers, "setup_s": round(setup_s, 2), **mean}
+    return {"rollout_workers": workers, "learner_ranks": ranks, "placement": placement,
+            "setup_s": round(setup_s, 2), **mean}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--ranks", type=int, default=1, help="dist.learner_ranks of every arm")
+    parser.add_argument("--placement", nargs="+", default=["local"], choices=["local", "ray"],
+                        help="dist.learner_placement: one arm per value and worker count")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--cpus", type=int, default=os.cpu_count())
     args = parser.parse_args()
-    if max(args.workers) > 1:
+    if max(args.workers) > 1 or "ray" in args.placement:
         import ray
 
         ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as out:
-        results = [measure(n, args.steps, out) for n in args.workers]
+        results = [measure(n, args.ranks, placement, args.steps, out)
+                   for n in args.workers for placement in args.placement]
     print(json.dumps({"machine": platform.processor() or platform.machine(),
                       "cpus": os.cpu_count(), "ray_cpus": args.cpus, "steps": args.steps,
                       "loadavg_before": load_before, "loadavg_after": os.getloadavg(),

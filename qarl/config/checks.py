@@ -29,6 +29,7 @@ from qarl.algo import (
 )
 from qarl.config.errors import Problem, short, suggest, unknown_key
 from qarl.config.compare_schema import flatten_overrides
+from qarl.config.dist_checks import dist_is_possible
 from qarl.model import SUPPORTED_ARCHITECTURES, ZOO
 from qarl.model.config import MOE_FAMILIES
 from qarl.quant import SCHEMES, scheme_options
@@ -315,30 +316,6 @@ def tensorboard_available(log) -> list[Problem]:
         return [Problem("log.tensorboard", "true but the tensorboard package is not installed; "
                                            "install it or use 'auto'")]
     return []
-
-
-def dist_is_possible(dist, rollout, train) -> list[Problem]:
-    """[dist]: rollout_workers > 1 needs Ray (the `qarl[ray]` extra) and dist.address needs
-    rollout workers to place; at most one rollout worker per sequence and one learner rank per
-    micro-batch of a step."""
-    problems = []
-    if dist.address is not None and dist.rollout_workers == 1:
-        problems.append(Problem("dist.address", f"is {dist.address!r} but rollout_workers is 1, "
-                                "so nothing would run on Ray; raise rollout_workers or remove "
-                                "the address"))
-    if dist.rollout_workers > 1 and importlib.util.find_spec("ray") is None:
-        problems.append(Problem("dist.rollout_workers", f"{dist.rollout_workers} needs Ray, "
-                                "which is not installed; pip install 'qarl[ray]' (or set it to 1)"))
-    if dist.rollout_workers > rollout.batch_size:
-        problems.append(Problem("dist.rollout_workers", f"{dist.rollout_workers} is more than "
-                                f"the {rollout.batch_size} sequences of a step "
-                                "(rollout.batch_size); lower it"))
-    micro_batches = rollout.batch_size // train.micro_batch_size
-    if dist.learner_ranks > micro_batches:
-        problems.append(Problem("dist.learner_ranks", f"{dist.learner_ranks} is more than the "
-                                f"{micro_batches} micro-batches of a step (rollout.batch_size / "
-                                "train.micro_batch_size); lower it or the micro-batch size"))
-    return problems
 
 
 def compare_arms_consistent(compare) -> list[Problem]:

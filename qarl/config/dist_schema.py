@@ -5,6 +5,8 @@ the same conventions hold (strict, frozen, every field described once).
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 _SECTION = ConfigDict(extra="forbid", strict=True, frozen=True)  # as every schema.py section
@@ -23,13 +25,21 @@ class DistSection(BaseModel):
         "as one engine). 1 = the engine runs in this process and Ray is not used.",
     )
     learner_ranks: int = Field(
-        1, ge=1, description="Learner processes on this machine joined by torch.distributed "
-        "(gloo); each takes its share of the micro-batches and the gradients are summed, so M "
-        "ranks make the update of one within float rounding. 1 = the learner runs in this "
-        "process. Does not need Ray.",
+        1, ge=1, description="Learner processes joined by torch.distributed (gloo); each takes "
+        "its share of the micro-batches and the gradients are summed, so M ranks make the update "
+        "of one within float rounding. 1 = the learner runs in this process.",
+    )
+    learner_placement: Literal["local", "ray"] = Field(
+        "local", description="Where learner ranks 1..M-1 run: 'local' = processes this one "
+        "starts on this machine (no Ray needed); 'ray' = Ray actors the cluster places "
+        "(spread over its machines), joined to rank 0 over TCP. Rank 0 is always this process.",
+    )
+    cpus_per_rank: int = Field(
+        1, ge=1, description="CPUs each Ray-placed learner rank reserves (its torch threads); "
+        "with learner_placement = 'ray' only.",
     )
     address: str | None = Field(
-        None, min_length=1, description="Ray cluster the rollout workers run on: 'auto' (the one "
-        "`ray start` runs on this machine) or 'ray://host:port'. Default: start a local Ray "
-        "with this machine's CPUs.",
+        None, min_length=1, description="Ray cluster the rollout workers and Ray-placed learner "
+        "ranks run on: 'auto' (the one `ray start` runs on this machine) or 'ray://host:port'. "
+        "Default: start a local Ray with this machine's CPUs.",
     )

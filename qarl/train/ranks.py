@@ -1,10 +1,13 @@
 """Learner ranks: a data-parallel learner over `torch.distributed` (gloo), launched by qarl.
 
-With `dist.learner_ranks = M > 1` the trainer process is rank 0 and starts M - 1 follower
-processes (`python -m qarl.train.ranks`, given the resolved recipe: a fresh interpreter
-never re-runs the caller's script, as multiprocessing's spawn would). Each follower builds the learner as the trainer
-does (`load_model` + `quantize_learner`), takes rank 0's weights and optimizer state
-(broadcast once, after any warm start or resume), and then, every step:
+With `dist.learner_ranks = M > 1` the trainer process is rank 0 and M - 1 followers run
+`follower`: with `dist.learner_placement = "local"`, processes on this machine
+(`python -m qarl.train.ranks`, given the resolved recipe: a fresh interpreter never re-runs
+the caller's script, as multiprocessing's spawn would) joined through a file; with "ray",
+Ray actors the cluster places (`qarl.dist.RayRanks`, possibly on other machines) joined
+through a TCP store that rank 0 opens. Each follower builds the learner as the trainer does
+(`load_model` + `quantize_learner`), takes rank 0's weights and optimizer state (broadcast
+once, after any warm start or resume), and then, every step:
 
 1. receives the step's `Experience` from rank 0 (samples, old_logp, advantages: rank 0 alone
    generates, scores rewards, syncs the engine and writes checkpoints);
@@ -63,7 +66,7 @@ class RankGroup:
 
     rank: int
     world: int
-    processes: tuple = ()  # rank 0: the followers' Popen objects (to name a dead one)
+    members: tuple = ()  # rank 0: the followers (LocalRank / qarl.dist.RayRank), to name a dead one
 
     def micro_batches(self, starts: range) -> range:
         """The micro-batch start rows this rank computes: every world-th, from its rank."""
@@ -118,12 +121,20 @@ class RankGroup:
         except (RuntimeError, dist.DistBackendError) as error:
             raise LearnerRankDied(self._who_died(error)) from error
 
-    def _who_died(self, error: BaseException) -> str:
-        dead = [(r, p.poll()) for r, p in enumerate(self.processes, start=1)
-                if p.poll() is not None]
+    def _who_died(self, error: BaseException, settle_s: float = 10.0) -> str:
+        """Name the dead follower(s). The collective can fail a moment before the death is
+        visible (the process not yet reaped, Ray not yet told): look again for `settle_s`."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            dead = [(r, reason) for r, m in enumerate(self.members, start=1)
+                    if (reason := m.exit_reason()) is not None]
+            if dead or not self.members or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         if dead:
-            ranks = ", ".join(f"rank {r} (exit code {code})" for r, code in dead)
-            return f"learner {ranks} of {self.world} died; its error, if any, is above"
+            ranks = ", ".join(f"rank {r} ({reason})" for r, reason in dead)
+            return (f"learner {ranks} of {self.world} died; its error, if any, is above (a "
+                    "Ray-placed rank's: in the Ray logs, /tmp/ray/session_latest/logs)")
         return (f"rank {self.rank}'s collective failed ({str(error).splitlines()[0]}); another "
                 f"learner rank of {self.world} is gone")
 
@@ -152,17 +163,27 @@ def share_state(group: RankGroup, learner: CausalLM, optimizers: list) -> None:
             opt.load_state_dict(opt_state)
 
 
-def follower(rank: int, world: int, init_file: str, config: RunConfig, parent: int) -> None:
-    """A follower rank's whole life: join, build the learner, update until rank 0 says stop."""
+def join_group(rank: int, world: int, init) -> None:
+    """Join the learner ranks' process group (gloo). `init`: the rendezvous file's path (local
+    ranks), or (host, port) of the TCP store rank 0 opened (Ray-placed ranks)."""
+    if isinstance(init, str):
+        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank,
+                                world_size=world, timeout=_TIMEOUT)
+        return
+    host, port = init
+    store = dist.TCPStore(host, port, world, is_master=False, timeout=_TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=_TIMEOUT)
+
+
+def follower(rank: int, world: int, init, config: RunConfig) -> int:
+    """A follower rank's whole life: join (`join_group`'s `init`), build the learner, update
+    until rank 0 says stop. Returns the exit code: 0, or 1 when rank 0 went away first."""
     from qarl.train.phases import update_policy
     from qarl.train.setup import DTYPES, quantize_learner
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: rank 0 stops the run, then us
-    exit_with_parent(parent)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    Path(f"{init_file}.ready{rank}").touch()  # rank 0 waits for these before it joins
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=_TIMEOUT)
+    if isinstance(init, str):
+        Path(f"{init}.ready{rank}").touch()  # rank 0 waits for these before it joins
+    join_group(rank, world, init)
     learner = quantize_learner(load_model(config.model.name, dtype=DTYPES[config.model.master_dtype]),
                                config.quant)
     scorer = LocalEngine.from_tokenizer(learner, load_tokenizer(config.model.name),
@@ -178,29 +199,53 @@ def follower(rank: int, world: int, init_file: str, config: RunConfig, parent: i
             exp, step = message
             update_policy(replica, optimizers, exp, config.algo, train, step)
     except LearnerRankDied:
-        sys.exit(1)  # rank 0 stopped (it says why, and saves what it can)
-    dist.destroy_process_group()
+        return 1  # rank 0 stopped (it says why, and saves what it can)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
 
 
-def wait_for_followers(processes: list, init_file: str,
-                       timeout_s: float = _JOIN_TIMEOUT_S) -> None:
-    """Return once every follower is about to join (its `init_file.ready<rank>` exists);
-    raise LearnerRankDied at once if one exits first, or after `timeout_s` if one does
+class LocalRank:
+    """A follower process on this machine (`dist.learner_placement = "local"`)."""
+
+    def __init__(self, process: subprocess.Popen, init_file: str, rank: int):
+        self.process, self.init_file, self.rank = process, init_file, rank
+
+    def ready(self) -> bool:
+        """True once it is about to join (its `init_file.ready<rank>` exists)."""
+        return Path(f"{self.init_file}.ready{self.rank}").exists()
+
+    def exit_reason(self) -> str | None:
+        code = self.process.poll()
+        return None if code is None else f"exit code {code}"
+
+    def stop(self, timeout_s: float = 30) -> None:
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def wait_for_followers(members: list, timeout_s: float = _JOIN_TIMEOUT_S) -> None:
+    """Return once every follower is about to join (`member.ready()`); raise LearnerRankDied
+    at once if one ends first (`member.exit_reason()`), or after `timeout_s` if one does
     neither. Without this, rank 0 would wait in the rendezvous for the 24-hour timeout."""
     deadline = time.monotonic() + timeout_s
-    waiting = dict(enumerate(processes, start=1))
+    waiting = dict(enumerate(members, start=1))
     while waiting:
-        for rank, process in list(waiting.items()):
-            if Path(f"{init_file}.ready{rank}").exists():
+        for rank, member in list(waiting.items()):
+            if member.ready():
                 del waiting[rank]
-            elif process.poll() is not None:
+            elif (reason := member.exit_reason()) is not None:
                 raise LearnerRankDied(
-                    f"learner rank {rank} of {len(processes) + 1} exited with code "
-                    f"{process.returncode} before joining the others; its error is above")
+                    f"learner rank {rank} of {len(members) + 1} ended ({reason}) before "
+                    "joining the others; its error is above (Ray-placed ranks: in the Ray logs)")
         if waiting and time.monotonic() > deadline:
             raise LearnerRankDied(
                 f"learner ranks {sorted(waiting)} did not start within {timeout_s:.0f} s; a "
-                "machine this loaded may need fewer dist.learner_ranks")
+                "machine this loaded may need fewer dist.learner_ranks (a Ray cluster: free "
+                "CPUs for dist.cpus_per_rank each, `ray status`)")
         time.sleep(0.05)
 
 
@@ -219,34 +264,80 @@ def exit_with_parent(parent: int, interval_s: float = 1.0) -> None:
 
 @contextmanager
 def learner_ranks(config: RunConfig, learner: CausalLM, optimizers: list) -> Iterator[RankGroup | None]:
-    """None with one rank; else start the followers, share rank 0's state with them, yield
-    rank 0's group, and on exit tell the followers to stop and wait for them."""
+    """None with one rank; else start the followers (`dist.learner_placement`), share rank
+    0's state with them, yield rank 0's group, and on exit tell the followers to stop and
+    wait for them."""
     world = config.dist.learner_ranks
     if world == 1:
         yield None
         return
     with tempfile.TemporaryDirectory(prefix="qarl-ranks-") as tmp:
-        init_file = str(Path(tmp) / "init")
-        recipe = save_resolved(config, tmp)
-        processes = [subprocess.Popen([sys.executable, "-m", "qarl.train.ranks", str(r), str(world),
-                                       init_file, str(recipe), str(os.getpid())])
-                     for r in range(1, world)]
-        group = RankGroup(0, world, tuple(processes))
-        try:
-            wait_for_followers(processes, init_file)
-            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0,
-                                    world_size=world, timeout=_TIMEOUT)
-            share_state(group, learner, optimizers)
-            yield group
-            group.broadcast(None)  # the followers' loop ends
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            for p in processes:
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        followers = (ray_followers(config) if config.dist.learner_placement == "ray"
+                     else local_followers(config, tmp))
+        with followers as (members, join):
+            group = RankGroup(0, world, tuple(members))
+            try:
+                wait_for_followers(members)
+                join()
+                share_state(group, learner, optimizers)
+                yield group
+                group.broadcast(None)  # the followers' loop ends
+            finally:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+
+
+@contextmanager
+def local_followers(config: RunConfig, tmp: str):
+    """Ranks 1..M-1 as processes on this machine, joined through a file in `tmp`: yields
+    (their LocalRanks, rank 0's join)."""
+    world = config.dist.learner_ranks
+    init_file = str(Path(tmp) / "init")
+    recipe = save_resolved(config, tmp)
+    members = [LocalRank(subprocess.Popen([sys.executable, "-m", "qarl.train.ranks", str(r),
+                                           str(world), init_file, str(recipe), str(os.getpid())]),
+                         init_file, r)
+               for r in range(1, world)]
+    try:
+        yield members, lambda: join_group(0, world, init_file)
+    finally:
+        for member in members:
+            member.stop()
+
+
+@contextmanager
+def ray_followers(config: RunConfig):
+    """Ranks 1..M-1 as Ray actors (`qarl.dist.RayRanks`) on the cluster `dist.address` names,
+    joined through a TCP store this process opens on its own address: yields (their
+    RayRanks, rank 0's join)."""
+    from functools import partial
+
+    from qarl.dist import RayRanks, connect, node_address  # Ray only when the recipe asks
+
+    world = config.dist.learner_ranks
+    connect(config.dist.address)
+    ranks = RayRanks(partial(follower, config=config), world, config.dist.cpus_per_rank)
+    try:
+        # the store listens on every interface; the followers reach it at this node's address
+        store = dist.TCPStore("0.0.0.0", 0, world, is_master=True, timeout=_TIMEOUT,
+                              wait_for_workers=False)
+
+        def join() -> None:
+            ranks.start((node_address(), store.port))
+            dist.init_process_group("gloo", store=store, rank=0, world_size=world,
+                                    timeout=_TIMEOUT)
+
+        yield ranks.members, join
+    finally:
+        ranks.close()
+
+
+def _run_local_follower(rank: int, world: int, init_file: str, recipe: str, parent: int) -> int:
+    """The body of `python -m qarl.train.ranks`: a local follower of rank 0 (pid `parent`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: rank 0 stops the run, then us
+    exit_with_parent(parent)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    return follower(rank, world, init_file, load_config(recipe))
 
 
 if __name__ == "__main__":
@@ -257,4 +348,4 @@ if __name__ == "__main__":
     parser.add_argument("recipe")
     parser.add_argument("parent", type=int, help="rank 0's pid: the follower ends with it")
     args = parser.parse_args()
-    follower(args.rank, args.world, args.init_file, load_config(args.recipe), args.parent)
+    sys.exit(_run_local_follower(args.rank, args.world, args.init_file, args.recipe, args.parent))

@@ -1,4 +1,5 @@
-"""[dist] learner ranks on `tiny`: two gloo ranks make the update of one."""
+"""[dist] learner ranks on `tiny`: two gloo ranks make the update of one, whether the second
+rank is a local process or a Ray actor."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from qarl.train import train
+from qarl.train.guards import TrainingAborted
 from qarl.train.checkpoint import latest
 
 # Measured (docs/distributed.md): max |w_2 - w_1| = 3.3e-6 over every master weight after
@@ -25,22 +28,99 @@ from qarl.train.checkpoint import latest
 TOLERANCE = 2e-5
 
 
-def _final_weights(tmp_path, ranks: int) -> dict[str, torch.Tensor]:
-    overrides = {"run.output_dir": str(tmp_path), "run.name": f"ranks{ranks}",
-                 "train.steps": 3, "rollout.batch_size": 16, "train.micro_batch_size": 4,
-                 "eval.size": 4, "eval.full_precision": False, "dist.learner_ranks": ranks}
-    train("tiny", overrides)
-    return load_file(latest(tmp_path / f"ranks{ranks}") / "model.safetensors")
+OVERRIDES = {"train.steps": 3, "rollout.batch_size": 16, "train.micro_batch_size": 4,
+             "eval.size": 4, "eval.full_precision": False}
 
 
-def test_two_learner_ranks_give_the_weights_of_one(tmp_path):
+@pytest.fixture(scope="module")
+def final_weights(tmp_path_factory):
+    """`final_weights(ranks, placement)`: the master weights after OVERRIDES' 3 steps, each
+    arm trained once per module."""
+    out, done = tmp_path_factory.mktemp("ranks"), {}
+
+    def run(ranks: int, placement: str = "local") -> dict[str, torch.Tensor]:
+        name = f"ranks{ranks}-{placement}"
+        if name not in done:
+            train("tiny", {**OVERRIDES, "run.output_dir": str(out), "run.name": name,
+                           "dist.learner_ranks": ranks, "dist.learner_placement": placement})
+            done[name] = load_file(latest(out / name) / "model.safetensors")
+        return done[name]
+
+    return run
+
+
+def test_two_learner_ranks_give_the_weights_of_one(final_weights):
     """tiny, 3 steps, 4 micro-batches per step: learner_ranks = 2 (each rank 2 micro-batches,
-    gradients all-reduced) ends with master weights within TOLERANCE of learner_ranks = 1,
-    and not bit-identical to the starting point (the steps did update)."""
-    one, two = _final_weights(tmp_path, 1), _final_weights(tmp_path, 2)
+    gradients all-reduced) ends with master weights within TOLERANCE of learner_ranks = 1."""
+    one, two = final_weights(1), final_weights(2)
     assert one.keys() == two.keys()
     worst = max(float((one[k] - two[k]).abs().max()) for k in one)
     assert worst <= TOLERANCE, worst
+
+
+def test_a_ray_placed_rank_gives_the_local_ranks_weights(final_weights, ray_session):
+    """learner_placement = 'ray' (rank 1 a Ray actor joined over a TCP store, one CPU: one
+    torch thread, as the local follower on 2 cores) ends with master weights torch.equal to
+    local placement's: where a rank runs changes nothing in what it computes."""
+    local, placed = final_weights(2), final_weights(2, "ray")
+    assert local.keys() == placed.keys()
+    assert all(torch.equal(local[k], placed[k]) for k in local)
+
+
+def test_a_dying_ray_placed_rank_ends_the_run(tmp_path, ray_session):
+    """The Ray actor of rank 1 killed (SIGKILL) after the first checkpoint: the run ends with
+    TrainingAborted naming rank 1 and its actor, and the intact checkpoint, which loads."""
+    run_dir = tmp_path / "dies"
+
+    def kill_rank_after_first_checkpoint() -> None:
+        while latest(run_dir) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ranks = [int(pid) for pid in os.listdir("/proc") if pid.isdigit()
+                 and b"RankWorker" in _cmdline(pid)]
+        if ranks:
+            os.kill(ranks[0], signal.SIGKILL)
+
+    deadline = time.monotonic() + 300
+    killer = threading.Thread(target=kill_rank_after_first_checkpoint, daemon=True)
+    killer.start()
+    with pytest.raises(TrainingAborted) as aborted:
+        train("tiny", {**OVERRIDES, "train.steps": 20, "train.checkpoint_every": 1,
+                       "run.output_dir": str(tmp_path), "run.name": "dies",
+                       "dist.learner_ranks": 2, "dist.learner_placement": "ray"})
+    message = str(aborted.value)
+    assert "learner rank 1 (its Ray actor failed" in message, message
+    assert "The last checkpoint is intact" in message
+    assert load_file(latest(run_dir) / "model.safetensors")
+
+
+def _raises(rank: int, world: int, init) -> int:
+    raise ValueError(f"rank {rank} cannot build its learner")
+
+
+def test_ray_placed_ranks_that_cannot_start_or_fail_are_named(ray_session):
+    """A Ray-placed rank that needs more CPUs than the cluster has is never ready: the join
+    wait ends after its timeout naming the rank and `ray status`; a rank whose body raises is
+    reported with the error's text as its exit reason."""
+    from qarl.dist import RayRanks
+    from qarl.train.ranks import LearnerRankDied, wait_for_followers
+
+    unplaceable = RayRanks(_raises, 2, cpus_per_rank=64)
+    try:
+        late = r"learner ranks \[1\] did not start within 2 s.*ray status"
+        with pytest.raises(LearnerRankDied, match=late):
+            wait_for_followers(unplaceable.members, timeout_s=2)
+    finally:
+        unplaceable.close(timeout_s=0)
+    failing = RayRanks(_raises, 2)
+    try:
+        wait_for_followers(failing.members, timeout_s=120)
+        failing.start(("127.0.0.1", 1))
+        deadline = time.monotonic() + 60
+        while (reason := failing.members[0].exit_reason()) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert reason == "it raised ValueError: rank 1 cannot build its learner", reason
+    finally:
+        failing.close(timeout_s=0)
 
 
 @pytest.mark.slow

@@ -107,6 +107,13 @@ BAD_RECIPES = [
     ("run-name-path", ["--run.name=a/b"], ["run.name: 'a/b' is not a plain folder name"]),
     ("dist-address-alone", ["--dist.address=auto"],
      ["dist.address: is 'auto' but rollout_workers is 1", "remove the address"]),
+    ("dist-ray-placement-one-rank", ["--dist.learner_placement=ray"],
+     ["dist.learner_placement: 'ray' but learner_ranks is 1", "use 'local'"]),
+    ("dist-cpus-per-local-rank", ["--dist.learner_ranks=2", "--dist.cpus_per_rank=4"],
+     ["dist.cpus_per_rank: 4 applies to Ray-placed learner ranks only",
+      "set learner_placement = 'ray'"]),
+    ("dist-placement-value", ["--dist.learner_placement=slurm"],
+     ["dist.learner_placement:", "'local' or 'ray'", "slurm"]),
     ("dist-too-many-ranks", ["--dist.learner_ranks=1000"],
      ["dist.learner_ranks: 1000 is more than the", "micro-batches of a step"]),
     ("missing-train", '[task]\nname = "addition"\n', ["train.steps: required but missing"]),
@@ -136,8 +143,8 @@ def test_bad_recipe_message(recipe, fragments, base_toml, write_recipe):
 
 
 def test_rollout_workers_without_ray_names_the_extra(base_toml, write_recipe, monkeypatch):
-    """dist.rollout_workers > 1 where Ray is not installed fails at load time and names the
-    extra to install."""
+    """dist.rollout_workers > 1, or learner ranks placed by Ray, where Ray is not installed
+    fail at load time and name the extra to install."""
     import importlib.util
 
     real = importlib.util.find_spec
@@ -145,6 +152,9 @@ def test_rollout_workers_without_ray_names_the_extra(base_toml, write_recipe, mo
                         lambda name, *a: None if name == "ray" else real(name, *a))
     with pytest.raises(ConfigError, match=r"dist.rollout_workers: 2 needs Ray.*pip install 'qarl\[ray\]'"):
         load_config(write_recipe(base_toml), ["--dist.rollout_workers=2"])
+    with pytest.raises(ConfigError, match=r"dist.learner_placement: 'ray' needs Ray.*pip install"):
+        load_config(write_recipe(base_toml), ["--dist.learner_ranks=2",
+                                              "--dist.learner_placement=ray"])
 
 
 def test_table_is_large_enough():

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from qarl.train.ranks import LearnerRankDied, wait_for_followers
+from qarl.train.ranks import LearnerRankDied, LocalRank, wait_for_followers
 
 
 def _python(code: str) -> subprocess.Popen:
@@ -23,8 +23,8 @@ def test_a_follower_that_exits_before_joining_is_reported_at_once(tmp_path):
     ready = _python(f"open({init + '.ready1'!r}, 'w').close()")
     dies = _python("import sys; sys.exit(3)")
     start = time.monotonic()
-    with pytest.raises(LearnerRankDied, match=r"learner rank 2 of 3 exited with code 3 before"):
-        wait_for_followers([ready, dies], init, timeout_s=60)
+    with pytest.raises(LearnerRankDied, match=r"learner rank 2 of 3 ended \(exit code 3\) before"):
+        wait_for_followers([LocalRank(ready, init, 1), LocalRank(dies, init, 2)], timeout_s=60)
     assert time.monotonic() - start < 30  # the exit is seen, not the timeout
 
 
@@ -36,7 +36,7 @@ def test_followers_that_mark_themselves_ready_are_waited_for(tmp_path):
     slow = _python(f"import time; time.sleep(1); open({init + '.ready2'!r}, 'w').close(); "
                    "time.sleep(5)")
     try:
-        wait_for_followers([quick, slow], init, timeout_s=60)
+        wait_for_followers([LocalRank(quick, init, 1), LocalRank(slow, init, 2)], timeout_s=60)
         assert os.path.exists(init + ".ready2")
     finally:
         for p in (quick, slow):
@@ -50,7 +50,7 @@ def test_a_follower_that_neither_joins_nor_dies_hits_the_join_timeout(tmp_path):
     hangs = _python("import time; time.sleep(60)")
     try:
         with pytest.raises(LearnerRankDied, match=r"learner ranks \[1\] did not start within 1 s"):
-            wait_for_followers([hangs], str(tmp_path / "init"), timeout_s=1)
+            wait_for_followers([LocalRank(hangs, str(tmp_path / "init"), 1)], timeout_s=1)
     finally:
         hangs.kill()
         hangs.wait()

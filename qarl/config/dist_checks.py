@@ -42,4 +42,27 @@ def dist_is_possible(dist, rollout, train) -> list[Problem]:
         problems.append(Problem("dist.learner_ranks", f"{dist.learner_ranks} is more than the "
                                 f"{micro_batches} micro-batches of a step (rollout.batch_size / "
                                 "train.micro_batch_size); lower it or the micro-batch size"))
+    return problems + fsdp_fits(dist, micro_batches, train)
+
+
+def fsdp_fits(dist, micro_batches: int, train) -> list[Problem]:
+    """learner_strategy = 'fsdp': several ranks, the same number of micro-batches on each
+    (forward and backward are collectives), and AdamW (Muon needs whole matrices)."""
+    if dist.learner_strategy != "fsdp":
+        return []
+    if dist.learner_ranks == 1:
+        return [Problem("dist.learner_strategy", "'fsdp' but learner_ranks is 1: there is "
+                        "nothing to shard over; raise learner_ranks or use 'replicate'")]
+    problems = []
+    if micro_batches % dist.learner_ranks:
+        problems.append(Problem("dist.learner_strategy", f"'fsdp' needs the {micro_batches} "
+                                "micro-batches of a step (rollout.batch_size / "
+                                "train.micro_batch_size) to be a multiple of learner_ranks "
+                                f"({dist.learner_ranks}): every rank runs as many; change "
+                                "one of them"))
+    if train.optimizer != "adamw":
+        problems.append(Problem("dist.learner_strategy", f"'fsdp' with train.optimizer = "
+                                f"{train.optimizer!r}: Muon orthogonalizes whole matrices, "
+                                "which FSDP shards; use 'adamw' or learner_strategy = "
+                                "'replicate'"))
     return problems

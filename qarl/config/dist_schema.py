@@ -29,6 +29,12 @@ class DistSection(BaseModel):
         "its share of the micro-batches and the gradients are summed, so M ranks make the update "
         "of one within float rounding. 1 = the learner runs in this process.",
     )
+    learner_strategy: Literal["replicate", "fsdp"] = Field(
+        "replicate", description="How learner ranks hold the learner: 'replicate' = every rank "
+        "the whole weights and optimizer state, gradients all-reduced; 'fsdp' = FSDP2 shards "
+        "of the weights, gradients and AdamW state (1/M each), gathered per decoder block, for "
+        "learners whose training state does not fit one rank. Same update either way.",
+    )
     learner_placement: Literal["local", "ray"] = Field(
         "local", description="Where learner ranks 1..M-1 run: 'local' = processes this one "
         "starts on this machine (no Ray needed); 'ray' = Ray actors the cluster places "

@@ -1,6 +1,6 @@
 """`RayRanks`: learner ranks 1..M-1 as Ray actors, so a data-parallel learner spans machines.
 
-The trainer (rank 0, `qarl.train.ranks.learner_ranks` with `dist.learner_placement = "ray"`)
+The trainer (rank 0, `qarl.train.launch.learner_ranks` with `dist.learner_placement = "ray"`)
 passes the follower's body; this module only places and watches the actors:
 
 - each actor reserves `cpus_per_rank` CPUs (Ray sets its torch threads to that) and is

@@ -128,6 +128,12 @@ class QuantLinear(nn.Module):
         self._qweight = qw.to(self.weight.device)
         self._qweight_key, self._dequantized = self._key(), None
 
+    def forget(self) -> None:
+        """Drop the cached quantized weight: the next use quantizes the master weight again.
+        For master weights rewritten where the (data_ptr, _version) key may not see it (an
+        FSDP-sharded learner's weights, gathered into a reused buffer)."""
+        self._qweight = self._qweight_key = self._dequantized = None
+
     def dequantized(self) -> Tensor:  # [N, K] float32
         qw = self.qweight()
         if self._dequantized is None:

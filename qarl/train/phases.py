@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from qarl.algo import (
     LOSSES, Correction, apply_corrections, global_counts, group_advantages, metrics_to_floats,
@@ -185,9 +186,10 @@ def accumulate_gradients(learner, exp: Experience, exact: Tensor, algo: AlgoSect
     """One epoch's backward passes, micro-batch by micro-batch (with a rank `group`, this
     rank's share of them); adds each loss metric (weighted by its share of the rows and
     epochs) to `totals`. Returns (entropy sum, response tokens, every loss finite); stops at
-    the first non-finite loss."""
+    the first non-finite loss, except where every rank must run every backward (FSDP ranks,
+    `group.lockstep`: the epoch's step is dropped all the same)."""
     batch, N = exp.batch, exp.batch.num_sequences
-    entropy_sum, entropy_count = 0.0, 0
+    entropy_sum, entropy_count, finite = 0.0, 0, True
     starts = range(0, N, micro_batch_size)
     for start in starts if group is None else group.micro_batches(starts):
         idx = torch.arange(start, min(N, start + micro_batch_size))
@@ -203,11 +205,13 @@ def accumulate_gradients(learner, exp: Experience, exact: Tensor, algo: AlgoSect
         for key, value in metrics_to_floats(metrics).items():
             totals[f"loss/{key}"] = totals.get(f"loss/{key}", 0.0) + share * value
         if not bool(torch.isfinite(loss)):
-            return entropy_sum, entropy_count, False
+            if group is None or not group.lockstep:
+                return entropy_sum, entropy_count, False
+            finite = False
         loss.backward()
         entropy_sum += float((entropy * sub.response_mask).sum())
         entropy_count += int(sub.response_mask.sum())
-    return entropy_sum, entropy_count, True
+    return entropy_sum, entropy_count, finite
 
 
 def optimizer_step(learner, optimizers: list[torch.optim.Optimizer], grad_clip: float,
@@ -235,8 +239,15 @@ def clip_gradients(model, max_norm: float) -> float:
     if not params:
         return 0.0
     if max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return _full_float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    if isinstance(params[0].grad, DTensor):  # FSDP shards: the norm needs their collective
+        return _full_float(torch.nn.utils.get_total_norm([p.grad for p in params]))
     return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+
+
+def _full_float(norm: Tensor) -> float:
+    """A norm as a float; an FSDP gradient norm is a DTensor: its full value."""
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
 def sample_metrics(task: Task, exp: Experience, completions: list[str]) -> dict[str, float]:

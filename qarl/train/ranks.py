@@ -1,13 +1,9 @@
-"""Learner ranks: a data-parallel learner over `torch.distributed` (gloo), launched by qarl.
+"""Learner ranks: a data-parallel learner over `torch.distributed` (gloo).
 
 With `dist.learner_ranks = M > 1` the trainer process is rank 0 and M - 1 followers run
-`follower`: with `dist.learner_placement = "local"`, processes on this machine
-(`python -m qarl.train.ranks`, given the resolved recipe: a fresh interpreter never re-runs
-the caller's script, as multiprocessing's spawn would) joined through a file; with "ray",
-Ray actors the cluster places (`qarl.dist.RayRanks`, possibly on other machines) joined
-through a TCP store that rank 0 opens. Each follower builds the learner as the trainer does
-(`load_model` + `quantize_learner`), takes rank 0's weights and optimizer state (broadcast
-once, after any warm start or resume), and then, every step:
+`follower` (started by `qarl.train.launch`, on this machine or placed by Ray). Each follower
+builds the learner as the trainer does (`load_model` + `quantize_learner`), takes rank 0's
+weights and optimizer state (once, after any warm start or resume), and then, every step:
 
 1. receives the step's `Experience` from rank 0 (samples, old_logp, advantages: rank 0 alone
    generates, scores rewards, syncs the engine and writes checkpoints);
@@ -15,45 +11,41 @@ once, after any warm start or resume), and then, every step:
    (micro-batch j goes to rank j mod M); the loss is normalized by the WHOLE batch's token /
    sequence counts (`global_counts`), so the gradients of all micro-batches add up to the
    one-rank gradient;
-3. sums the gradients over ranks (`all_reduce`, one flat buffer) before clipping and the
-   optimizer step, which then run identically on every rank: the ranks' weights stay equal.
+3. sums the gradients over ranks before clipping and the optimizer step: with
+   `dist.learner_strategy = "replicate"` an `all_reduce` of one flat buffer, after which every
+   rank steps its whole copy identically; with "fsdp" (`qarl.train.sharded`) the backward
+   reduce-scatters them and each rank steps its shard, and rank 0's whole learner is
+   refreshed from the shards after the update.
 
-Only the order of the floating-point sums differs from one rank; the measured effect is in
-docs/distributed.md. A rank that dies breaks rank 0's next collective: the run ends with
-`LearnerRankDied` (the trainer adds the last checkpoint, which a failed step never touches).
+Rank 0 drives the followers with messages (`RankGroup.broadcast`): ("update", experience,
+step), ("optimizer_state",) before a checkpoint (FSDP: the shards' state gathered to rank 0),
+None to stop. Only the order of the floating-point sums differs from one rank; the measured
+effect is in docs/distributed.md. A rank that dies breaks rank 0's next collective: the run
+ends with `LearnerRankDied` (the trainer adds the last checkpoint, which a failed step never
+touches).
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import signal
-import subprocess
-import sys
-import tempfile
-import threading
+import copy
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from qarl.config import RunConfig, load_config, save_resolved
+from qarl.config import AlgoSection, RunConfig, TrainSection
 from qarl.model import CausalLM, load_model, load_tokenizer
 from qarl.rollout import LocalEngine
 from qarl.train.optim import build_optimizer
+from qarl.train.sharded import ShardedLearner, ShardedReplica, clear_state
 
 # Followers wait in a broadcast while rank 0 generates, scores and evaluates, which can take
 # hours on a CPU; a dead rank is noticed by its closed connection, not by this timeout.
-_TIMEOUT = timedelta(hours=24)
-# Before joining, a follower imports torch and qarl: seconds, minutes on a loaded machine.
-# A follower that dies before it joins is seen by rank 0 at once (its exit code); this limit
-# only ends a wait on followers that neither join nor die.
-_JOIN_TIMEOUT_S = 600.0
+COLLECTIVE_TIMEOUT = timedelta(hours=24)
 
 
 class LearnerRankDied(RuntimeError):
@@ -66,7 +58,14 @@ class RankGroup:
 
     rank: int
     world: int
-    members: tuple = ()  # rank 0: the followers (LocalRank / qarl.dist.RayRank), to name a dead one
+    members: tuple = ()  # rank 0: the followers (launch.LocalRank / qarl.dist.RayRank), to name a dead one
+    sharded: ShardedLearner | None = None  # learner_strategy = "fsdp": this rank's shards
+    replica: ShardedReplica | None = None  # ... and what update_policy reads of them
+
+    @property
+    def lockstep(self) -> bool:
+        """Every rank must run every micro-batch's backward (FSDP: backward is a collective)."""
+        return self.sharded is not None
 
     def micro_batches(self, starts: range) -> range:
         """The micro-batch start rows this rank computes: every world-th, from its rank."""
@@ -74,7 +73,10 @@ class RankGroup:
 
     def sum_gradients(self, model: torch.nn.Module) -> None:
         """Replace every parameter's gradient by its sum over the ranks (fp32 flat buffer);
-        a parameter without a gradient on every rank keeps none."""
+        a parameter without a gradient on every rank keeps none. FSDP ranks: nothing to do,
+        their backward reduce-scattered the sums."""
+        if self.sharded is not None:
+            return
         params = [p for p in model.parameters() if p.requires_grad]
         has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
@@ -151,8 +153,21 @@ class Replica:
         return self.scorer.score_routing(batch, sampling, replay=self.routing_replay)[0]
 
 
-def share_state(group: RankGroup, learner: CausalLM, optimizers: list) -> None:
-    """Rank 0's weights (every state-dict entry) and optimizer state on every rank."""
+def share_state(group: RankGroup, learner: CausalLM, optimizers: list, config: RunConfig,
+                scorer: LocalEngine | None = None) -> None:
+    """Rank 0's weights (every state-dict entry) and optimizer state on every rank. FSDP:
+    each rank shards its learner (rank 0 a copy: it keeps its whole one, and frees its whole
+    optimizer state) and takes its shards of rank 0's state; `scorer` is rank 0's."""
+    if config.dist.learner_strategy == "fsdp":
+        whole = learner if group.rank == 0 else None
+        group.sharded = ShardedLearner(copy.deepcopy(learner) if whole else learner, config.train)
+        stepped = group.broadcast(any(opt.state for opt in optimizers) if whole else None)
+        group.sharded.load(whole, optimizers if whole else None, stepped)
+        if whole is not None:
+            clear_state(optimizers)
+        group.replica = ShardedReplica(group.sharded, group, config.quant.routing_replay,
+                                       whole, scorer)
+        return
     state = {name: t.detach().clone() for name, t in learner.state_dict().items()}
     for t in state.values():
         group._call(dist.broadcast, t, src=0)
@@ -168,16 +183,17 @@ def join_group(rank: int, world: int, init) -> None:
     ranks), or (host, port) of the TCP store rank 0 opened (Ray-placed ranks)."""
     if isinstance(init, str):
         dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank,
-                                world_size=world, timeout=_TIMEOUT)
+                                world_size=world, timeout=COLLECTIVE_TIMEOUT)
         return
     host, port = init
-    store = dist.TCPStore(host, port, world, is_master=False, timeout=_TIMEOUT)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=_TIMEOUT)
+    store = dist.TCPStore(host, port, world, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
 
 
 def follower(rank: int, world: int, init, config: RunConfig) -> int:
-    """A follower rank's whole life: join (`join_group`'s `init`), build the learner, update
-    until rank 0 says stop. Returns the exit code: 0, or 1 when rank 0 went away first."""
+    """A follower rank's whole life: join (`join_group`'s `init`), build the learner, follow
+    rank 0's messages until it says stop. Returns the exit code: 0, or 1 when rank 0 went away
+    first."""
     from qarl.train.phases import update_policy
     from qarl.train.setup import DTYPES, quantize_learner
 
@@ -186,18 +202,27 @@ def follower(rank: int, world: int, init, config: RunConfig) -> int:
     join_group(rank, world, init)
     learner = quantize_learner(load_model(config.model.name, dtype=DTYPES[config.model.master_dtype]),
                                config.quant)
-    scorer = LocalEngine.from_tokenizer(learner, load_tokenizer(config.model.name),
-                                        max_context=config.model.max_context)
     train = config.train
     optimizers = build_optimizer(learner, train.optimizer, train.lr, train.weight_decay,
                                  tuple(train.betas))
     group = RankGroup(rank, world)
     try:
-        share_state(group, learner, optimizers)
-        replica = Replica(learner, scorer, group, config.quant.routing_replay)
+        share_state(group, learner, optimizers, config)
+        if group.sharded is not None:
+            replica, optimizers = group.replica, group.sharded.optimizers
+        else:
+            scorer = LocalEngine.from_tokenizer(learner, load_tokenizer(config.model.name),
+                                                max_context=config.model.max_context)
+            replica = Replica(learner, scorer, group, config.quant.routing_replay)
         while (message := group.broadcast(None)) is not None:
-            exp, step = message
-            update_policy(replica, optimizers, exp, config.algo, train, step)
+            kind, *args = message
+            if kind == "update":
+                exp, step = args
+                update_policy(replica, optimizers, exp, config.algo, train, step)
+                if group.sharded is not None:
+                    group.sharded.publish(None)
+            elif kind == "optimizer_state":
+                group.sharded.full_optimizer_state(None, None)
     except LearnerRankDied:
         return 1  # rank 0 stopped (it says why, and saves what it can)
     finally:
@@ -206,146 +231,30 @@ def follower(rank: int, world: int, init, config: RunConfig) -> int:
     return 0
 
 
-class LocalRank:
-    """A follower process on this machine (`dist.learner_placement = "local"`)."""
+def update_on_ranks(group: RankGroup, policy, optimizers: list, exp, algo: AlgoSection,
+                    train: TrainSection, step: int) -> dict[str, float]:
+    """Rank 0's update with learner ranks: the experience to every rank, this rank's share of
+    the micro-batches, and with FSDP rank 0's whole learner refreshed from the shards."""
+    from qarl.train.phases import update_policy
 
-    def __init__(self, process: subprocess.Popen, init_file: str, rank: int):
-        self.process, self.init_file, self.rank = process, init_file, rank
-
-    def ready(self) -> bool:
-        """True once it is about to join (its `init_file.ready<rank>` exists)."""
-        return Path(f"{self.init_file}.ready{self.rank}").exists()
-
-    def exit_reason(self) -> str | None:
-        code = self.process.poll()
-        return None if code is None else f"exit code {code}"
-
-    def stop(self, timeout_s: float = 30) -> None:
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-
-
-def wait_for_followers(members: list, timeout_s: float = _JOIN_TIMEOUT_S) -> None:
-    """Return once every follower is about to join (`member.ready()`); raise LearnerRankDied
-    at once if one ends first (`member.exit_reason()`), or after `timeout_s` if one does
-    neither. Without this, rank 0 would wait in the rendezvous for the 24-hour timeout."""
-    deadline = time.monotonic() + timeout_s
-    waiting = dict(enumerate(members, start=1))
-    while waiting:
-        for rank, member in list(waiting.items()):
-            if member.ready():
-                del waiting[rank]
-            elif (reason := member.exit_reason()) is not None:
-                raise LearnerRankDied(
-                    f"learner rank {rank} of {len(members) + 1} ended ({reason}) before "
-                    "joining the others; its error is above (Ray-placed ranks: in the Ray logs)")
-        if waiting and time.monotonic() > deadline:
-            raise LearnerRankDied(
-                f"learner ranks {sorted(waiting)} did not start within {timeout_s:.0f} s; a "
-                "machine this loaded may need fewer dist.learner_ranks (a Ray cluster: free "
-                "CPUs for dist.cpus_per_rank each, `ray status`)")
-        time.sleep(0.05)
-
-
-def exit_with_parent(parent: int, interval_s: float = 1.0) -> None:
-    """End this process soon after its parent `parent` (the pid that started it, passed by
-    the parent itself: a parent gone before this call is seen too) is gone. A SIGKILLed rank
-    0 leaves its followers waiting in a collective for the 24-hour timeout otherwise."""
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(interval_s)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="qarl-parent-watch", daemon=True).start()
+    group.broadcast(("update", exp, step))
+    if group.sharded is None:
+        return update_policy(policy, optimizers, exp, algo, train, step)
+    metrics = update_policy(group.replica, group.sharded.optimizers, exp, algo, train, step)
+    group.sharded.publish(policy.learner)
+    return metrics
 
 
 @contextmanager
-def learner_ranks(config: RunConfig, learner: CausalLM, optimizers: list) -> Iterator[RankGroup | None]:
-    """None with one rank; else start the followers (`dist.learner_placement`), share rank
-    0's state with them, yield rank 0's group, and on exit tell the followers to stop and
-    wait for them."""
-    world = config.dist.learner_ranks
-    if world == 1:
-        yield None
+def whole_optimizer_state(group: RankGroup | None, learner: CausalLM, optimizers: list):
+    """Rank 0's `optimizers` hold the whole optimizer state inside the block (a checkpoint
+    being written): with FSDP ranks gathered from the shards, and freed after."""
+    if group is None or group.sharded is None:
+        yield
         return
-    with tempfile.TemporaryDirectory(prefix="qarl-ranks-") as tmp:
-        followers = (ray_followers(config) if config.dist.learner_placement == "ray"
-                     else local_followers(config, tmp))
-        with followers as (members, join):
-            group = RankGroup(0, world, tuple(members))
-            try:
-                wait_for_followers(members)
-                join()
-                share_state(group, learner, optimizers)
-                yield group
-                group.broadcast(None)  # the followers' loop ends
-            finally:
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-
-
-@contextmanager
-def local_followers(config: RunConfig, tmp: str):
-    """Ranks 1..M-1 as processes on this machine, joined through a file in `tmp`: yields
-    (their LocalRanks, rank 0's join)."""
-    world = config.dist.learner_ranks
-    init_file = str(Path(tmp) / "init")
-    recipe = save_resolved(config, tmp)
-    members = [LocalRank(subprocess.Popen([sys.executable, "-m", "qarl.train.ranks", str(r),
-                                           str(world), init_file, str(recipe), str(os.getpid())]),
-                         init_file, r)
-               for r in range(1, world)]
+    group.broadcast(("optimizer_state",))
+    group.sharded.full_optimizer_state(learner, optimizers)
     try:
-        yield members, lambda: join_group(0, world, init_file)
+        yield
     finally:
-        for member in members:
-            member.stop()
-
-
-@contextmanager
-def ray_followers(config: RunConfig):
-    """Ranks 1..M-1 as Ray actors (`qarl.dist.RayRanks`) on the cluster `dist.address` names,
-    joined through a TCP store this process opens on its own address: yields (their
-    RayRanks, rank 0's join)."""
-    from functools import partial
-
-    from qarl.dist import RayRanks, connect, node_address  # Ray only when the recipe asks
-
-    world = config.dist.learner_ranks
-    connect(config.dist.address)
-    ranks = RayRanks(partial(follower, config=config), world, config.dist.cpus_per_rank)
-    try:
-        # the store listens on every interface; the followers reach it at this node's address
-        store = dist.TCPStore("0.0.0.0", 0, world, is_master=True, timeout=_TIMEOUT,
-                              wait_for_workers=False)
-
-        def join() -> None:
-            ranks.start((node_address(), store.port))
-            dist.init_process_group("gloo", store=store, rank=0, world_size=world,
-                                    timeout=_TIMEOUT)
-
-        yield ranks.members, join
-    finally:
-        ranks.close()
-
-
-def _run_local_follower(rank: int, world: int, init_file: str, recipe: str, parent: int) -> int:
-    """The body of `python -m qarl.train.ranks`: a local follower of rank 0 (pid `parent`)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: rank 0 stops the run, then us
-    exit_with_parent(parent)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    return follower(rank, world, init_file, load_config(recipe))
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="A follower learner rank (started by qarl train).")
-    parser.add_argument("rank", type=int)
-    parser.add_argument("world", type=int)
-    parser.add_argument("init_file")
-    parser.add_argument("recipe")
-    parser.add_argument("parent", type=int, help="rank 0's pid: the follower ends with it")
-    args = parser.parse_args()
-    sys.exit(_run_local_follower(args.rank, args.world, args.init_file, args.recipe, args.parent))
+        clear_state(optimizers)

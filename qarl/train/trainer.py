@@ -32,7 +32,8 @@ from qarl.train.phases import (
     Experience, PhaseTimer, compute_advantages, reward_metrics, sample_metrics, score_responses,
     train_examples, update_policy,
 )
-from qarl.train.ranks import LearnerRankDied, learner_ranks
+from qarl.train.launch import learner_ranks
+from qarl.train.ranks import LearnerRankDied, update_on_ranks, whole_optimizer_state
 from qarl.train.resume import resume_point
 from qarl.train.setup import Data, Policy, open_run, sampling_params
 from qarl.train.sft import warm_start
@@ -63,9 +64,11 @@ def rl_step(policy: Policy, data: Data, optimizers: list[torch.optim.Optimizer],
     exp = Experience(batch, sampling, old_logp, advantages, rows, learner_routing)
     check_stop()
     with timer("update"):
-        if policy.ranks is not None:
-            policy.ranks.broadcast((exp, step))
-        update = update_policy(policy, optimizers, exp, config.algo, config.train, step)
+        if policy.ranks is None:
+            update = update_policy(policy, optimizers, exp, config.algo, config.train, step)
+        else:
+            update = update_on_ranks(policy.ranks, policy, optimizers, exp, config.algo,
+                                     config.train, step)
     with timer("sync"):
         sync = policy.sync.push()
     generated = int(batch.response_mask.sum())
@@ -93,7 +96,7 @@ def train(recipe: str | Path | Mapping | RunConfig | None = None,
         loop = Loop(config, folder.path, policy, data, optimizers)
         loop.start(resume_from)
         try:
-            with learner_ranks(config, policy.learner, optimizers) as policy.ranks:
+            with learner_ranks(config, policy, optimizers) as policy.ranks:
                 before, after = loop.run()
         except LearnerRankDied as err:  # a follower gone before it joined (no step taken)
             raise TrainingAborted(str(err)) from err
@@ -180,5 +183,7 @@ class Loop:
     def save(self) -> None:
         train = self.config.train
         state = {"time": time.time(), "bad_steps": self.guard.in_a_row}
-        self.saved = checkpoint.save(self.run_dir, self.done, self.policy.learner, self.optimizers,
-                                     state, self.rng, to_toml(self.config), train.keep_checkpoints)
+        with whole_optimizer_state(self.policy.ranks, self.policy.learner, self.optimizers):
+            self.saved = checkpoint.save(self.run_dir, self.done, self.policy.learner,
+                                         self.optimizers, state, self.rng, to_toml(self.config),
+                                         train.keep_checkpoints)

@@ -3,6 +3,7 @@ rank is a local process or a Ray actor."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -26,6 +27,12 @@ from qarl.train.checkpoint import latest
 # fraction of lr (3e-4) either way (micro-batching alone moves weights by 5.1e-6 in one step:
 # tests/integration/test_train_tiny.py). 2e-5 = lr / 15, as there.
 TOLERANCE = 2e-5
+# FSDP vs replicated ranks: the same micro-batches on the same ranks, so the same summed
+# gradients (a + b is exact in either order); only the global gradient norm is summed in
+# another order (over shards), moving the clip coefficient by ~1e-7 relative. Measured max
+# |w_fsdp - w_replicate| = 4.5e-8 and max |Δ Adam moment| = 5.6e-9 after these 3 steps;
+# 1e-6 leaves 20x room and is still 20x tighter than the one-rank TOLERANCE.
+FSDP_TOLERANCE = 1e-6
 
 
 OVERRIDES = {"train.steps": 3, "rollout.batch_size": 16, "train.micro_batch_size": 4,
@@ -38,13 +45,15 @@ def final_weights(tmp_path_factory):
     arm trained once per module."""
     out, done = tmp_path_factory.mktemp("ranks"), {}
 
-    def run(ranks: int, placement: str = "local") -> dict[str, torch.Tensor]:
-        name = f"ranks{ranks}-{placement}"
+    def run(ranks: int, placement: str = "local", strategy: str = "replicate",
+            file: str = "model.safetensors") -> dict[str, torch.Tensor]:
+        name = f"ranks{ranks}-{placement}-{strategy}"
         if name not in done:
             train("tiny", {**OVERRIDES, "run.output_dir": str(out), "run.name": name,
-                           "dist.learner_ranks": ranks, "dist.learner_placement": placement})
-            done[name] = load_file(latest(out / name) / "model.safetensors")
-        return done[name]
+                           "dist.learner_ranks": ranks, "dist.learner_placement": placement,
+                           "dist.learner_strategy": strategy})
+            done[name] = latest(out / name)
+        return load_file(done[name] / file)
 
     return run
 
@@ -93,6 +102,71 @@ def test_a_dying_ray_placed_rank_ends_the_run(tmp_path, ray_session):
     assert load_file(latest(run_dir) / "model.safetensors")
 
 
+def test_fsdp_ranks_give_the_replicated_update(final_weights):
+    """learner_strategy = 'fsdp' (weights, gradients and AdamW state sharded over 2 ranks)
+    ends with master weights within FSDP_TOLERANCE of replicated ranks and within TOLERANCE
+    of one rank; its checkpoint's optimizer state (gathered from the shards) has a one-rank
+    run's layout, every tensor within FSDP_TOLERANCE of the replicated run's."""
+    replicated, sharded = final_weights(2), final_weights(2, strategy="fsdp")
+    assert replicated.keys() == sharded.keys()
+    assert max(float((replicated[k] - sharded[k]).abs().max()) for k in sharded) <= FSDP_TOLERANCE
+    one = final_weights(1)
+    assert max(float((one[k] - sharded[k]).abs().max()) for k in sharded) <= TOLERANCE
+    opt_rep = final_weights(2, file="optimizer.safetensors")
+    opt_fsdp = final_weights(2, strategy="fsdp", file="optimizer.safetensors")
+    assert opt_rep.keys() == opt_fsdp.keys() == final_weights(1, file="optimizer.safetensors").keys()
+    assert max(float((opt_rep[k] - opt_fsdp[k]).abs().max()) for k in opt_rep) <= FSDP_TOLERANCE
+
+
+def test_an_fsdp_run_resumes_exactly(final_weights, tmp_path):
+    """An FSDP run stopped after 2 steps and resumed for the 3rd (the shards rebuilt from the
+    checkpoint's whole weights and optimizer state) ends torch.equal to the uninterrupted run,
+    weights and optimizer state."""
+    overrides = {**OVERRIDES, "run.output_dir": str(tmp_path), "run.name": "resumed",
+                 "dist.learner_ranks": 2, "dist.learner_strategy": "fsdp"}
+    train("tiny", {**overrides, "train.steps": 2})
+    train("tiny", overrides)
+    for file in ("model.safetensors", "optimizer.safetensors"):
+        whole = final_weights(2, strategy="fsdp", file=file)
+        resumed = load_file(latest(tmp_path / "resumed") / file)
+        assert whole.keys() == resumed.keys()
+        assert all(torch.equal(whole[k], resumed[k]) for k in whole), file
+
+
+def test_a_nonfinite_loss_on_one_fsdp_rank_drops_the_step_everywhere(tmp_path):
+    """Rank 0's loss made NaN (the follower's stays finite): rank 0 still runs every backward
+    (FSDP's collectives need it: stopping early leaves the follower waiting in a collective,
+    which no signal interrupts, hence the run in a subprocess with a timeout), every update is
+    counted non-finite and dropped on every rank: the weights gathered from all shards after
+    every step equal those after the first (no update had a signal before step 2) bit for bit."""
+    overrides = {**OVERRIDES, "run.output_dir": str(tmp_path), "run.name": "nan",
+                 "train.max_bad_steps": 3, "train.checkpoint_every": 1,
+                 "train.keep_checkpoints": 3, "dist.learner_ranks": 2,
+                 "dist.learner_strategy": "fsdp"}
+    script = f"""
+import functools
+from qarl.algo import LOSSES
+from qarl.train import train
+
+real = LOSSES["tbpo"]
+
+@functools.wraps(real)  # the same parameters, for the registry's checks
+def nan_loss(*args, **kwargs):
+    loss, metrics = real(*args, **kwargs)
+    return loss * float("nan"), metrics
+
+LOSSES["tbpo"] = nan_loss  # in this process only: rank 0
+train("tiny", {overrides!r})
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+    run_dir = tmp_path / "nan"
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    updates = [m for m in steps if m.get("guard/no_signal") == 0.0]
+    assert updates and all(m["guard/nonfinite"] == 1.0 for m in updates), steps
+    first, *later = [load_file(run_dir / f"step_00000{n}" / "model.safetensors") for n in (1, 2, 3)]
+    assert all(torch.equal(first[k], w[k]) for w in later for k in first)
+
+
 def _raises(rank: int, world: int, init) -> int:
     raise ValueError(f"rank {rank} cannot build its learner")
 
@@ -102,7 +176,8 @@ def test_ray_placed_ranks_that_cannot_start_or_fail_are_named(ray_session):
     wait ends after its timeout naming the rank and `ray status`; a rank whose body raises is
     reported with the error's text as its exit reason."""
     from qarl.dist import RayRanks
-    from qarl.train.ranks import LearnerRankDied, wait_for_followers
+    from qarl.train.launch import wait_for_followers
+    from qarl.train.ranks import LearnerRankDied
 
     unplaceable = RayRanks(_raises, 2, cpus_per_rank=64)
     try:
@@ -138,7 +213,7 @@ def test_a_dying_rank_ends_the_run_with_the_checkpoint_intact(tmp_path):
     while latest(run_dir) is None and run.poll() is None:
         time.sleep(0.5)
     followers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit()
-                 and b"qarl.train.ranks" in _cmdline(pid)]
+                 and b"qarl.train.launch" in _cmdline(pid)]
     assert followers, "no follower rank process found"
     os.kill(followers[0], signal.SIGKILL)
     assert run.wait(timeout=600) != 0

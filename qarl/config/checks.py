@@ -286,6 +286,17 @@ def vllm_engine_is_dense(model, rollout) -> list[Problem]:
                                       "fused expert layers; use rollout.engine = 'local'")]
 
 
+def fsdp_is_dense(model, dist) -> list[Problem]:
+    """dist.learner_strategy = 'fsdp' takes dense models: an expert no token of a rank's
+    micro-batches reaches has no gradient there, and FSDP's reduce-scatter needs every rank to
+    send every gradient (zeros would make AdamW step experts a one-rank run leaves alone)."""
+    if dist.learner_strategy != "fsdp" or model_family(model.name) not in MOE_FAMILIES:
+        return []
+    return [Problem("dist.learner_strategy", f"'fsdp' with the mixture-of-experts model "
+                    f"{short(model.name)}: experts unused on one rank have no gradient to "
+                    "reduce-scatter; use learner_strategy = 'replicate'")]
+
+
 def routing_replay_needs_moe(model, quant) -> list[Problem]:
     """quant.routing_replay = true needs a mixture-of-experts model (qwen3_moe or mixtral)."""
     if not quant.routing_replay:
@@ -364,6 +375,7 @@ CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
     (("model", "rollout"), vllm_engine_is_dense),
     (("log",), tensorboard_available),
     (("dist", "rollout", "train"), dist_is_possible),
+    (("model", "dist"), fsdp_is_dense),
     (("compare",), compare_arms_consistent),
 ]
 

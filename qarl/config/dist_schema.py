@@ -33,7 +33,7 @@ class DistSection(BaseModel):
         "replicate", description="How learner ranks hold the learner: 'replicate' = every rank "
         "the whole weights and optimizer state, gradients all-reduced; 'fsdp' = FSDP2 shards "
         "of the weights, gradients and AdamW state (1/M each), gathered per decoder block, for "
-        "learners whose training state does not fit one rank. Same update either way.",
+        "dense learners whose training state does not fit one rank. Same update either way.",
     )
     learner_placement: Literal["local", "ray"] = Field(
         "local", description="Where learner ranks 1..M-1 run: 'local' = processes this one "

@@ -41,17 +41,17 @@ OVERRIDES = {"train.steps": 3, "rollout.batch_size": 16, "train.micro_batch_size
 
 @pytest.fixture(scope="module")
 def final_weights(tmp_path_factory):
-    """`final_weights(ranks, placement)`: the master weights after OVERRIDES' 3 steps, each
-    arm trained once per module."""
+    """`final_weights(ranks, placement, strategy, epochs, file)`: a checkpoint file's tensors
+    after OVERRIDES' 3 steps, each arm trained once per module."""
     out, done = tmp_path_factory.mktemp("ranks"), {}
 
-    def run(ranks: int, placement: str = "local", strategy: str = "replicate",
+    def run(ranks: int, placement: str = "local", strategy: str = "replicate", epochs: int = 1,
             file: str = "model.safetensors") -> dict[str, torch.Tensor]:
-        name = f"ranks{ranks}-{placement}-{strategy}"
+        name = f"ranks{ranks}-{placement}-{strategy}-epochs{epochs}"
         if name not in done:
             train("tiny", {**OVERRIDES, "run.output_dir": str(out), "run.name": name,
-                           "dist.learner_ranks": ranks, "dist.learner_placement": placement,
-                           "dist.learner_strategy": strategy})
+                           "algo.epochs": epochs, "dist.learner_ranks": ranks,
+                           "dist.learner_placement": placement, "dist.learner_strategy": strategy})
             done[name] = latest(out / name)
         return load_file(done[name] / file)
 
@@ -103,18 +103,21 @@ def test_a_dying_ray_placed_rank_ends_the_run(tmp_path, ray_session):
 
 
 def test_fsdp_ranks_give_the_replicated_update(final_weights):
-    """learner_strategy = 'fsdp' (weights, gradients and AdamW state sharded over 2 ranks)
-    ends with master weights within FSDP_TOLERANCE of replicated ranks and within TOLERANCE
-    of one rank; its checkpoint's optimizer state (gathered from the shards) has a one-rank
-    run's layout, every tensor within FSDP_TOLERANCE of the replicated run's."""
-    replicated, sharded = final_weights(2), final_weights(2, strategy="fsdp")
+    """learner_strategy = 'fsdp' (weights, gradients and AdamW state sharded over 2 ranks),
+    with 2 epochs per step (the second replays on rank 0's gathered weights), ends with master
+    weights within FSDP_TOLERANCE of replicated ranks and within TOLERANCE of one rank; its
+    checkpoint's optimizer state (gathered from the shards) has a one-rank run's layout, every
+    tensor within FSDP_TOLERANCE of the replicated run's."""
+    replicated, sharded = final_weights(2, epochs=2), final_weights(2, strategy="fsdp", epochs=2)
     assert replicated.keys() == sharded.keys()
     assert max(float((replicated[k] - sharded[k]).abs().max()) for k in sharded) <= FSDP_TOLERANCE
-    one = final_weights(1)
+    one = final_weights(1, epochs=2)
     assert max(float((one[k] - sharded[k]).abs().max()) for k in sharded) <= TOLERANCE
-    opt_rep = final_weights(2, file="optimizer.safetensors")
-    opt_fsdp = final_weights(2, strategy="fsdp", file="optimizer.safetensors")
-    assert opt_rep.keys() == opt_fsdp.keys() == final_weights(1, file="optimizer.safetensors").keys()
+    optimizer = {(ranks, strategy): final_weights(ranks, strategy=strategy, epochs=2,
+                                                  file="optimizer.safetensors")
+                 for ranks, strategy in ((1, "replicate"), (2, "replicate"), (2, "fsdp"))}
+    opt_one, opt_rep, opt_fsdp = optimizer.values()
+    assert opt_rep.keys() == opt_fsdp.keys() == opt_one.keys()
     assert max(float((opt_rep[k] - opt_fsdp[k]).abs().max()) for k in opt_rep) <= FSDP_TOLERANCE
 
 
@@ -123,11 +126,11 @@ def test_an_fsdp_run_resumes_exactly(final_weights, tmp_path):
     checkpoint's whole weights and optimizer state) ends torch.equal to the uninterrupted run,
     weights and optimizer state."""
     overrides = {**OVERRIDES, "run.output_dir": str(tmp_path), "run.name": "resumed",
-                 "dist.learner_ranks": 2, "dist.learner_strategy": "fsdp"}
+                 "algo.epochs": 2, "dist.learner_ranks": 2, "dist.learner_strategy": "fsdp"}
     train("tiny", {**overrides, "train.steps": 2})
     train("tiny", overrides)
     for file in ("model.safetensors", "optimizer.safetensors"):
-        whole = final_weights(2, strategy="fsdp", file=file)
+        whole = final_weights(2, strategy="fsdp", epochs=2, file=file)
         resumed = load_file(latest(tmp_path / "resumed") / file)
         assert whole.keys() == resumed.keys()
         assert all(torch.equal(whole[k], resumed[k]) for k in whole), file

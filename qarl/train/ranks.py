@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from qarl.config import AlgoSection, RunConfig, TrainSection
-from qarl.model import CausalLM, load_model, load_tokenizer
+from qarl.model import CausalLM, load_model, load_skeleton, load_tokenizer
 from qarl.rollout import LocalEngine
 from qarl.train.optim import build_optimizer
 from qarl.train.sharded import ShardedLearner, ShardedReplica, clear_state
@@ -200,7 +200,9 @@ def follower(rank: int, world: int, init, config: RunConfig) -> int:
     if isinstance(init, str):
         Path(f"{init}.ready{rank}").touch()  # rank 0 waits for these before it joins
     join_group(rank, world, init)
-    learner = quantize_learner(load_model(config.model.name, dtype=DTYPES[config.model.master_dtype]),
+    # FSDP: the structure only; the shards are allocated once sharded and filled from rank 0
+    load = load_skeleton if config.dist.learner_strategy == "fsdp" else load_model
+    learner = quantize_learner(load(config.model.name, dtype=DTYPES[config.model.master_dtype]),
                                config.quant)
     train = config.train
     optimizers = build_optimizer(learner, train.optimizer, train.lr, train.weight_decay,

@@ -9,6 +9,8 @@ backward only, and the backward reduce-scatters the gradients, SUMMED (not avera
 is already normalized by the whole batch's counts, `global_counts`). Micro-batch j still runs
 on rank j mod M, so the gradients are those of the replicated ranks.
 
+The other ranks start from a skeleton (`qarl.model.load_skeleton`, on the meta device): only
+their shards are ever allocated, filled from rank 0 (`ShardedLearner.load`).
 Rank 0 keeps its full learner (`Policy.learner`, no gradients, no optimizer state) for what
 reads whole weights: the old_logp replay, the weight sync, evaluation and checkpoints. After
 every update the shards are gathered into it (`ShardedLearner.publish`, a collective: rank 0
@@ -19,8 +21,9 @@ with any strategy or number of ranks.
 What else changes with "fsdp": forward and backward are collectives, so every rank runs the
 same number of micro-batches (the config asks micro-batches per step to be a multiple of the
 ranks) and a non-finite loss does not end one rank's epoch early (every rank runs its backward;
-the step is dropped as before); later epochs' replays run on rank 0 and are broadcast. Muon is
-refused (it orthogonalizes whole matrices, not shards).
+the step is dropped as before); later epochs' replays run on rank 0 and are broadcast. Refused
+at load (`qarl.config`): Muon (it orthogonalizes whole matrices, not shards) and
+mixture-of-experts models (an expert unused on one rank has no gradient to reduce-scatter).
 """
 
 from __future__ import annotations
@@ -58,7 +61,11 @@ class ShardedLearner:
     """This rank's shards of the learner and its optimizers."""
 
     def __init__(self, model: CausalLM, train: TrainSection):
+        """`model`: whole, or a skeleton on the meta device (`qarl.model.load_skeleton`:
+        its shards are allocated here and filled by `load`)."""
         self.model = shard_model(model)
+        if any(p.is_meta for p in self.model.parameters()):
+            self.model.to_empty(device="cpu")
         self.optimizers = build_optimizer(self.model, train.optimizer, train.lr,
                                           train.weight_decay, tuple(train.betas))
         for opt in self.optimizers:  # stepped shards are gathered into a reused buffer

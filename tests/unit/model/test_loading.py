@@ -123,3 +123,18 @@ def test_error_pickle_only_folder_is_refused(tmp_path):
     (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")
     with pytest.raises(FileNotFoundError, match=r"pytorch_model.bin.*never unpickles"):
         load_model(tmp_path)
+
+
+def test_a_skeleton_is_the_model_without_its_weights(tiny_dir):
+    """load_skeleton gives load_model's structure (same parameter names, shapes and dtype,
+    lm_head tied to the embedding as in the folder's config) with every parameter on the meta
+    device, and RoPE frequencies equal to the loaded model's."""
+    from qarl.model import load_skeleton
+
+    whole, skeleton = load_model(tiny_dir), load_skeleton(tiny_dir)
+    shapes = {n: (p.shape, p.dtype) for n, p in whole.named_parameters()}
+    assert {n: (p.shape, p.dtype) for n, p in skeleton.named_parameters()} == shapes
+    assert all(p.is_meta for p in skeleton.parameters())
+    tied = whole.config.tie_word_embeddings
+    assert (skeleton.lm_head.weight is skeleton.model.embed_tokens.weight) == tied
+    assert torch.equal(skeleton.inv_freq, whole.inv_freq)

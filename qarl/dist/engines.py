@@ -32,6 +32,9 @@ from qarl.quant import QWeight, quant_layers
 from qarl.types import RolloutBatch, SamplingParams, concat_batches
 
 _RESTART_TIMEOUT_S = 300  # a restarted actor rebuilds its engine: loads and quantizes the model
+# Starting the actors: building an engine takes seconds to minutes; waiting longer means the
+# cluster has no room for them (Ray queues an actor until its CPUs / GPUs are free).
+_START_TIMEOUT_S = 600
 
 
 def shard_bounds(num_rows: int, num_shards: int) -> list[tuple[int, int]]:
@@ -86,12 +89,22 @@ class RayEngines:
     stop_check: Callable[[], None] = staticmethod(lambda: None)
 
     def __init__(self, factory: Callable[[int], object], num_workers: int, max_restarts: int = 3,
-                 cpus_per_worker: float = 1, gpus_per_worker: float = 0):
+                 cpus_per_worker: float = 1, gpus_per_worker: float = 0,
+                 start_timeout_s: float = _START_TIMEOUT_S):
         actor = ray.remote(EngineWorker).options(
             max_restarts=max_restarts, num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)
         self.workers = [actor.remote(factory, k) for k in range(num_workers)]
         self.max_restarts = max_restarts
-        self.pad_token_id: int = ray.get(self.workers[0].pad_token_id.remote())
+        pads = [worker.pad_token_id.remote() for worker in self.workers]
+        done, waiting = ray.wait(pads, num_returns=len(pads), timeout=start_timeout_s)
+        if waiting:
+            self.close()
+            raise RuntimeError(
+                f"{len(waiting)} of {num_workers} rollout workers did not start within "
+                f"{start_timeout_s:.0f} s: each needs {cpus_per_worker} CPU and "
+                f"{gpus_per_worker} GPU free on one node of the cluster; see `ray status`, or "
+                "lower dist.rollout_workers")
+        self.pad_token_id: int = ray.get(pads[0])
         self.restarts = 0
         self._weights = None  # ObjectRef of the last state pushed, reinstalled after a restart
 

@@ -97,3 +97,15 @@ def test_killed_rollout_actor_is_restarted_with_the_same_tokens(ray_session, tmp
         engines.close()
     for field in FIELDS:
         assert torch.equal(getattr(want, field), getattr(got, field)), field
+
+
+def test_rollout_workers_without_room_fail_instead_of_waiting(ray_session):
+    """Workers that need more CPUs than the cluster has are never placed: RayEngines raises
+    after its start timeout, naming the count, what each needs and `ray status`."""
+    with pytest.raises(RuntimeError, match=r"2 of 2 rollout workers did not start within 2 s.*"
+                                           r"64 CPU.*ray status"):
+        RayEngines(_never_built, 2, cpus_per_worker=64, start_timeout_s=2)
+
+
+def _never_built(index: int):
+    raise AssertionError("an actor without room was built")

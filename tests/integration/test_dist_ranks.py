@@ -3,6 +3,7 @@ rank is a local process or a Ray actor."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -225,6 +226,38 @@ def test_a_dying_rank_ends_the_run_with_the_checkpoint_intact(tmp_path):
     assert "The last checkpoint is intact" in stderr
     saved = latest(run_dir)
     assert load_file(saved / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_a_ray_placed_rank_ends_with_a_killed_trainer(tmp_path):
+    """The trainer (rank 0, which started a local Ray) SIGKILLed mid-run: its Ray-placed rank
+    1 is gone within 30 s (Ray ends the actors of a dead owner); nothing waits in a collective."""
+    pytest.importorskip("ray")
+    script = ("from qarl.train import train\n"
+              f"train('tiny', {{'run.output_dir': {str(tmp_path)!r}, 'run.name': 'owner', "
+              "'train.steps': 200, 'rollout.batch_size': 16, 'train.micro_batch_size': 4, "
+              "'eval.size': 4, 'eval.full_precision': False, 'dist.learner_ranks': 2, "
+              "'dist.learner_placement': 'ray'})\n")
+    run = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.DEVNULL,
+                           start_new_session=True)  # its group: Ray's own helpers, cleaned below
+    deadline = time.monotonic() + 300
+    while not _rank_actors() and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _rank_actors(), "no Ray-placed rank process found"
+    time.sleep(2)  # into the steps
+    run.kill()
+    run.wait()
+    deadline = time.monotonic() + 30
+    while _rank_actors() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    alive = _rank_actors()
+    with contextlib.suppress(ProcessLookupError):  # Ray's agents outlive a SIGKILLed driver
+        os.killpg(run.pid, signal.SIGKILL)
+    assert not alive, "a Ray-placed rank outlived its trainer by 30 s"
+
+
+def _rank_actors() -> list[str]:
+    return [pid for pid in os.listdir("/proc") if pid.isdigit() and b"RankWorker" in _cmdline(pid)]
 
 
 def _cmdline(pid: str) -> bytes:

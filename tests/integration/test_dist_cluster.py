@@ -4,6 +4,8 @@ as on a real cluster where the trainer's machine has no room left."""
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 from safetensors.torch import load_file
 
@@ -25,12 +27,16 @@ def two_node_cluster():
     from ray.cluster_utils import Cluster
 
     assert not ray.is_initialized()
+    # starting Ray nodes from this process installs Ray's own SIGTERM / SIGINT handlers here
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     cluster = Cluster(initialize_head=True,
                       head_node_args={"num_cpus": 0, "include_dashboard": False})
     cluster.add_node(num_cpus=3)
     yield cluster.address
     ray.shutdown()
     cluster.shutdown()
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
 
 
 def test_a_run_on_a_joined_cluster_places_everything_on_its_workers(two_node_cluster, tmp_path):

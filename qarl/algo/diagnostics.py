@@ -191,8 +191,12 @@ def garbled(grammar_ok: Sequence[bool]) -> float:
 
 
 def routing_disagreement(learner: Tensor, engine: Tensor, mask: Tensor) -> dict[str, float]:
-    """learner, engine: [N, L, layers, k] expert ids (-1: not recorded); mask [N, L] -> the
-    routing disagreement of the module docstring over tokens both sides recorded."""
+    """learner, engine: [N, S, layers, k] expert ids (-1: not recorded) of whole sequences
+    (`RolloutBatch.routed_experts`, S = P + L) or of the responses only (S = L); mask [N, L]
+    -> the routing disagreement of the module docstring over the response tokens (the last L
+    positions) both sides recorded."""
+    L = mask.shape[1]
+    learner, engine = learner[:, -L:], engine[:, -L:]  # [N, L, layers, k]
     recorded = (learner >= 0).all(-1).all(-1) & (engine >= 0).all(-1).all(-1)  # [N, L]
     valid = _valid(mask) & recorded
     num_tokens = int(valid.sum())

@@ -40,9 +40,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     # MoE families only (Qwen3-MoE's HF names; Mixtral fixes norm_topk_prob = true,
-    # decoder_sparse_step = 1, mlp_only_layers = [], intermediate_size = the expert width): experts per MoE layer, experts per token, each expert's
-    # SwiGLU width, renormalize the top-k router probabilities, every decoder_sparse_step-th
-    # layer is MoE except those in mlp_only_layers (those keep a dense intermediate_size MLP)
+    # decoder_sparse_step = 1, mlp_only_layers = [], intermediate_size = the expert width):
+    # experts per MoE layer, experts per token, each expert's SwiGLU width, renormalize the
+    # top-k router probabilities, every decoder_sparse_step-th layer is MoE except those in
+    # mlp_only_layers (those keep a dense intermediate_size MLP)
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0

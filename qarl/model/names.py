@@ -17,6 +17,7 @@ from typing import TypeVar
 V = TypeVar("V")
 
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_MIXTRAL_W = {proj: w for w, proj in _MIXTRAL_PROJ.items()}
 _MIXTRAL_IN = re.compile(r"\.block_sparse_moe\.(gate|experts\.(\d+)\.(w1|w2|w3))(?=\.|$)")
 _MIXTRAL_OUT = re.compile(r"\.mlp\.(gate|experts\.(\d+)\.(gate_proj|up_proj|down_proj))(?=\.|$)")
 
@@ -30,8 +31,7 @@ def _mixtral_in(m: re.Match) -> str:
 def _mixtral_out(m: re.Match) -> str:
     if m.group(1) == "gate":
         return ".block_sparse_moe.gate"
-    w = {proj: w for w, proj in _MIXTRAL_PROJ.items()}[m.group(3)]
-    return f".block_sparse_moe.experts.{m.group(2)}.{w}"
+    return f".block_sparse_moe.experts.{m.group(2)}.{_MIXTRAL_W[m.group(3)]}"
 
 
 def name_in_memory(family: str, name: str) -> str:

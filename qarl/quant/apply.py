@@ -93,7 +93,7 @@ def link_fused_peers(model: nn.Module) -> None:
         peers = tuple(p for p in peers if p is not None and p.scheme == layer.scheme)
         if [id(p) for p in peers] != [id(p) for p in layer.fused_peers]:
             layer.fused_peers = peers
-            layer._qweight = layer._qweight_key = layer._dequantized = None
+            layer.forget()  # its codes were quantized without the group's scale
 
 
 def quant_layers(model: nn.Module) -> dict[str, QuantLinear]:

@@ -130,8 +130,8 @@ class QuantLinear(nn.Module):
 
     def forget(self) -> None:
         """Drop the cached quantized weight: the next use quantizes the master weight again.
-        For master weights rewritten where the (data_ptr, _version) key may not see it (an
-        FSDP-sharded learner's weights, gathered into a reused buffer)."""
+        For a change the (data_ptr, _version) key does not see: new fused peers (a new group
+        scale), or master weights rewritten in a reused buffer (an FSDP-sharded learner's)."""
         self._qweight = self._qweight_key = self._dequantized = None
 
     def dequantized(self) -> Tensor:  # [N, K] float32

@@ -35,10 +35,11 @@ vLLM's CPU W8A8 int8 GEMM is not exact on x86 CPUs without VNNI (AVX2 / AVX-512 
 `avx512_vnni`, `avx_vnni` or AMX): its oneDNN kernel stores the activation codes as
 u = q + 128 (uint8) and multiplies with `vpmaddubsw`, which adds each pair of adjacent
 products u_k w_k + u_k+1 w_k+1 into int16 with saturation at +-32767 (two products of
-255 x 127 reach 64770), then subtracts 128 * sum_k w_k. qarl's int8 GEMMs are exact (qarl.native
-keeps |q| <= 127 in the uint8 operand and puts the sign on the weight, so a pair stays below
-2 x 127 x 127 < 32767). On SmolLM2-135M the saturation moves a linear layer's output by 1e-2 relative (median;
-up to 0.13), where qarl's exact GEMM matches the float64 reference to 4e-8; the emulation
+255 x 127 reach 64770), then subtracts 128 * sum_k w_k. qarl's int8 GEMMs are exact
+(qarl.native keeps |q| <= 127 in the uint8 operand and puts the sign on the weight, so a pair
+stays below 2 x 127 x 127 < 32767). On SmolLM2-135M the saturation moves a linear layer's
+output by 1e-2 relative (median; up to 0.13), where qarl's exact GEMM matches the float64
+reference to 4e-8; the emulation
 (each adjacent pair clamped to int16) reproduces vLLM's outputs to fp32 rounding (< 5e-8) on
 all 120 int8 layers of one prefill, given vLLM's activation codes (its quantizer multiplies by
 1 / s where qarl divides by s: 4 of 7.7M codes round the other way). The measured logprob gaps

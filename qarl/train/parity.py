@@ -230,8 +230,7 @@ def arm_row(arm: Arm) -> dict:
                                    POSITION_BUCKETS)
     disagree = None
     if arm.learner_routing is not None and batch.routed_experts is not None:
-        P = batch.prompt_ids.shape[1]
-        disagree = routing_disagreement(arm.learner_routing[:, P:], batch.routed_experts[:, P:],
+        disagree = routing_disagreement(arm.learner_routing, batch.routed_experts,
                                         batch.response_mask)["routing_disagree_frac"]
     return {
         "scheme": arm.scheme,

@@ -259,8 +259,7 @@ def sample_metrics(task: Task, exp: Experience, completions: list[str]) -> dict[
     errors = error_token_metrics(batch.response_ids, batch.response_mask, batch.finish_reasons,
                                  learner_logp=exp.old_logp, grammar_ok=verdicts)
     if batch.routed_experts is not None and exp.learner_routing is not None:
-        P = batch.prompt_ids.shape[1]
-        mismatch.update(routing_disagreement(exp.learner_routing[:, P:],
-                                             batch.routed_experts[:, P:], batch.response_mask))
+        mismatch.update(routing_disagreement(exp.learner_routing, batch.routed_experts,
+                                             batch.response_mask))
     return {**{f"mismatch/{k}": v for k, v in mismatch.items()},
             **{f"errors/{k}": v for k, v in errors.items()}}

@@ -200,13 +200,15 @@ def follower(rank: int, world: int, init, config: RunConfig) -> int:
     if isinstance(init, str):
         Path(f"{init}.ready{rank}").touch()  # rank 0 waits for these before it joins
     join_group(rank, world, init)
-    # FSDP: the structure only; the shards are allocated once sharded and filled from rank 0
-    load = load_skeleton if config.dist.learner_strategy == "fsdp" else load_model
+    # FSDP: the structure only (shards allocated once sharded, filled from rank 0), and the
+    # shards' own optimizers (built by ShardedLearner)
+    sharded = config.dist.learner_strategy == "fsdp"
+    load = load_skeleton if sharded else load_model
     learner = quantize_learner(load(config.model.name, dtype=DTYPES[config.model.master_dtype]),
                                config.quant)
     train = config.train
-    optimizers = build_optimizer(learner, train.optimizer, train.lr, train.weight_decay,
-                                 tuple(train.betas))
+    optimizers = [] if sharded else build_optimizer(learner, train.optimizer, train.lr,
+                                                    train.weight_decay, tuple(train.betas))
     group = RankGroup(rank, world)
     try:
         share_state(group, learner, optimizers, config)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-_SECTION = ConfigDict(extra="forbid", strict=True, frozen=True)
+from qarl.config.section import SECTION as _SECTION
 
 
 class CompareSection(BaseModel):

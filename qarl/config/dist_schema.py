@@ -1,5 +1,5 @@
 """The [dist] section of a recipe: how a run spreads over processes and machines
-(docs/distributed.md). Kept apart from schema.py, which imports it into `RunConfig.dist`;
+(docs/distributed.md), imported by schema.py into `RunConfig.dist`;
 the same conventions hold (strict, frozen, every field described once).
 """
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-_SECTION = ConfigDict(extra="forbid", strict=True, frozen=True)  # as every schema.py section
+from qarl.config.section import SECTION as _SECTION
 
 
 class DistSection(BaseModel):

@@ -1,0 +1,74 @@
+"""The policy-gradient objective: loss, correction, advantages (method.md sections 3-4)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from qarl.config.section import SECTION as _SECTION
+
+
+class OverlongSection(BaseModel):
+    """DAPO overlong reward shaping: a linear penalty over the last l_cache tokens before l_max."""
+
+    model_config = _SECTION
+
+    l_max: int = Field(..., ge=1, description="Length (tokens) at which the penalty reaches -1.")
+    l_cache: int = Field(
+        ..., ge=1, description="Width of the penalty ramp: it starts at l_max - l_cache."
+    )
+
+
+class AlgoSection(BaseModel):
+    """The policy-gradient objective (method.md sections 3 and 4)."""
+
+    model_config = _SECTION
+
+    loss: str = Field(
+        "tbpo",
+        min_length=1,
+        description="Policy loss, a name from qarl.algo.LOSSES: 'tbpo', 'grpo', 'dr_grpo', "
+        "'dapo', 'gspo', 'dual_clip'.",
+    )
+    loss_params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword parameters of the loss (e.g. {eps_high = 4e-4} for tbpo); missing "
+        "ones take the loss's defaults (qarl/algo/README.md lists them). Names are checked "
+        "against the loss.",
+    )
+    correction: str | None = Field(
+        None,
+        min_length=1,
+        description="Rollout correction applied on top of the loss, a name from "
+        "qarl.algo.CORRECTIONS (e.g. 'tis_token'). Default: none.",
+    )
+    correction_params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword parameters of the correction (e.g. {cap = 2.0}).",
+    )
+    advantage: Literal["grpo", "dr_grpo"] = Field(
+        "grpo",
+        description="Group advantage over the group's scorable rewards: 'grpo' = (r - mean) / "
+        "(std + 1e-6) with the unbiased std, 'dr_grpo' = r - mean.",
+    )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO's dynamic-sampling filter, without resampling: the rows of groups whose "
+        "rewards are all equal (advantage 0) are masked out of the update, so they do not count "
+        "in the loss's token / sequence denominators. No extra responses are sampled: the step "
+        "trains on the remaining rows (metric groups/kept_frac).",
+    )
+    overlong: OverlongSection | None = Field(
+        None, description="DAPO overlong shaping as {l_max, l_cache}. Default: off."
+    )
+    epochs: int = Field(
+        1, ge=1, description="Optimizer passes over each rollout batch (K); 1 = on-policy."
+    )
+    aggregation: str | None = Field(
+        None,
+        min_length=1,
+        description="How token losses are reduced to a scalar, a name from "
+        "qarl.algo.AGGREGATIONS (e.g. 'token-mean', 'seq-mean-token-mean'). Default: the "
+        "loss's own.",
+    )

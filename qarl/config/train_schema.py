@@ -1,0 +1,73 @@
+"""Optimization: the RL update's steps, batches, optimizer and checkpoints, and the SFT warm
+start."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from qarl.config.section import SECTION as _SECTION
+
+
+class TrainSection(BaseModel):
+    """Optimization: steps, batch split, optimizer, schedule, checkpoints."""
+
+    model_config = _SECTION
+
+    steps: int = Field(..., ge=1, description="Optimizer steps (one rollout batch each).")
+    micro_batch_size: int = Field(
+        8,
+        ge=1,
+        description="Sequences per forward/backward pass; rollout.batch_size must be a multiple "
+        "of it (groups may span micro-batches).",
+    )
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw",
+        description="'adamw', or 'muon' (torch.optim.Muon on 2-D weight matrices, AdamW on the "
+        "rest).",
+    )
+    lr: float = Field(
+        ...,
+        ge=0,
+        description="Peak learning rate. 0 is a dry run: every phase runs, the weights (and so "
+        "the engine's codes) never change.",
+    )
+    min_lr: float = Field(
+        0.0, ge=0, description="Floor of the cosine/linear decay; at most lr."
+    )
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="Decay after warmup: to min_lr at the last step, or none."
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="Linear warmup to lr over this many steps (step i, from 0, uses "
+        "lr * (i + 1) / warmup_steps); at most steps."
+    )
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
+    betas: list[float] = Field(
+        default_factory=lambda: [0.9, 0.999],
+        min_length=2,
+        max_length=2,
+        description="AdamW (beta1, beta2), each in [0, 1).",
+    )
+    grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clip; 0 = off.")
+    checkpoint_every: int = Field(
+        0, ge=0, description="Save a checkpoint every this many steps; 0 = only at the end."
+    )
+    keep_checkpoints: int = Field(
+        2, ge=1, description="Most recent checkpoints kept in the run folder."
+    )
+    max_bad_steps: int = Field(
+        3, ge=1, description="Abort after this many steps in a row whose loss or gradient was "
+        "not finite (each such step is skipped: weights and optimizer state untouched)."
+    )
+
+
+class SftSection(BaseModel):
+    """Optional supervised warm start on the task's reference answers, before RL."""
+
+    model_config = _SECTION
+
+    steps: int = Field(0, ge=0, description="SFT optimizer steps; 0 = no warm start.")
+    lr: float = Field(1e-3, gt=0, description="SFT learning rate (constant, AdamW).")
+    batch_size: int = Field(16, ge=1, description="Prompt + answer sequences per SFT step.")

@@ -51,3 +51,8 @@ $(VLLM_STAMP): pyproject.toml Makefile
 
 test-vllm: $(VLLM_STAMP)
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm_engine
+	# Again with vLLM's int8 dispatch of AMX CPUs (bf16 activations), emulated where this CPU
+	# allows it (AVX-512 VNNI, no AMX), skipped elsewhere: tests/vllm_engine/conftest.py
+	QARL_VLLM_EMULATE_AMX=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest \
+		-q tests/vllm_engine/test_vllm_engine.py tests/vllm_engine/test_vllm_export.py \
+		tests/vllm_engine/test_vllm_train.py -k "not bfloat16"

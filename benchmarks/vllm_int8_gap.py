@@ -3,6 +3,11 @@ Needs the vllm environment (`make test-vllm` creates .venv-vllm):
 
     .venv-vllm/bin/python benchmarks/vllm_int8_gap.py --seeds 0 1 2 3 4 --emulate-seeds 0
 
+`--dtype`: what vLLM computes in (`rollout.vllm_dtype`; auto picks bfloat16 on AMX CPUs, whose
+int8 kernel takes only 16-bit activations). `--emulate-amx-dispatch` (an AVX-512 VNNI CPU
+without AMX): vLLM's AMX-machine int8 kernel, run with VNNI instructions
+(`qarl.rollout.vllm_support.emulate_amx_dispatch`).
+
 - `layers`: one prefill of two chat prompts; per vLLM int8 layer (q/k/v and gate/up fused, o,
   down) its output against the exact products (xq wq) s_x s_w in float64, and against the
   emulation of an int16-saturating GEMM (`saturating_int8_dot`: u = q + 128, adjacent pairs
@@ -23,6 +28,7 @@ import copy
 import json
 import os
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -33,11 +39,17 @@ from qarl.model import load_model, load_tokenizer
 from qarl.quant import numerics as nm
 from qarl.quant import quantize_model
 from qarl.rollout import LocalEngine
-from qarl.rollout.vllm_engine import VLLMEngine, int8_gemm_saturates
+from qarl.rollout.vllm_engine import VLLMEngine
+from qarl.rollout.vllm_weights import fused_codes, int8_layer_io, vllm_int8_codes
+from qarl.native.isa import machine
+from qarl.rollout.vllm_support import (
+    KERNEL_AMX, KERNEL_ONEDNN_SATURATING, KERNEL_ONEDNN_VNNI, emulate_amx_dispatch, int8_cpu_kernel,
+    int8_gemm_saturates,
+)
 from qarl.types import SamplingParams
 
 MODEL = "smollm2-135m"
-FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+KERNELS = (KERNEL_AMX, KERNEL_ONEDNN_VNNI, KERNEL_ONEDNN_SATURATING)
 SUMS = [(3, 4), (5, 2), (7, 8), (1, 9), (6, 6), (2, 8)]
 
 
@@ -56,27 +68,10 @@ def saturating_int8_dot(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
 def layer_errors(served: VLLMEngine, qarl_model, prompts: list[list[int]]) -> dict:
     """Per vLLM int8 layer on one prefill of `prompts`: relative error of its output against the
     exact and the saturating products of its own activation codes."""
-    from vllm import SamplingParams as VllmParams
-    from vllm.inputs import TokensPrompt
-
-    seen, hooks = {}, []
-    for name, module in served._vllm_model().named_modules():
-        if hasattr(module, "scheme"):
-            hooks.append(module.register_forward_hook(  # vLLM's linears return (out, bias)
-                lambda m, a, o, name=name: seen.__setitem__(name, (a[0].clone(), o[0].clone()))))
-    served.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                        VllmParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
-    for h in hooks:
-        h.remove()
     exact, saturating, other_codes, codes = [], [], 0, 0
-    for name, (x, y) in seen.items():
-        parent, _, leaf = name.rpartition(".")
-        qws = [qarl_model.get_submodule(f"{parent}.{p}").qweight() for p in FUSED.get(leaf, [leaf])]
-        wq, ws = torch.cat([w.codes for w in qws]), torch.cat([w.scales for w in qws])
-        x = x.float().contiguous()
-        xq = torch.empty_like(x, dtype=torch.int8)  # vLLM's own dynamic per-token quantizer
-        xs = torch.empty(x.shape[0], 1)
-        torch.ops._C.dynamic_scaled_int8_quant(xq, x, xs, None)
+    for name, (x, y) in int8_layer_io(served.llm, prompts).items():
+        wq, ws = fused_codes(qarl_model, name)
+        xq, xs = vllm_int8_codes(x)
         other_codes += int((xq != nm.int8_rows(x)[0]).sum())
         codes += xq.numel()
 
@@ -86,7 +81,7 @@ def layer_errors(served: VLLMEngine, qarl_model, prompts: list[list[int]]) -> di
 
         exact.append(rel(xq.double() @ wq.double().T))
         saturating.append(rel(saturating_int8_dot(xq, wq)))
-    return {"int8_layers": len(seen), "exact_rel_min": min(exact), "exact_rel_max": max(exact),
+    return {"int8_layers": len(exact), "exact_rel_min": min(exact), "exact_rel_max": max(exact),
             "exact_rel_median": statistics.median(exact), "saturating_rel_max": max(saturating),
             "activation_codes_rounded_otherwise": other_codes, "activation_codes": codes}
 
@@ -100,7 +95,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2, 3, 4])
     parser.add_argument("--emulate-seeds", type=int, nargs="*", default=[])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--emulate-amx-dispatch", action="store_true")
     args = parser.parse_args()
+    if args.emulate_amx_dispatch:
+        emulate_amx_dispatch()
     tokenizer = load_tokenizer(MODEL)
     base = load_model(MODEL)
     kernel = quantize_model(copy.deepcopy(base), "w8a8-int8", mode="kernel")
@@ -110,10 +109,14 @@ def main() -> None:
     emulated = LocalEngine.from_tokenizer(  # the sgemm method calls kernels.exact_int8_gemm
         quantize_model(copy.deepcopy(base), "w8a8-int8", mode="kernel", gemm="sgemm"), tokenizer)
     served = VLLMEngine.from_tokenizer(copy.deepcopy(kernel), tokenizer, Path(tempfile.mkdtemp()),
-                                       max_context=512)
+                                       max_context=512, dtype=args.dtype)
     chats = [tokenizer.apply_chat(q, tokenize=True) for q in
              ("What is 3 + 4? Explain your reasoning step by step.", "Name three colors.")]
-    out = {"int8_gemm_saturates": int8_gemm_saturates(), "layers": layer_errors(served, kernel, chats)}
+    notes = " ".join(served.describe().values())
+    out = {"machine": machine(), "vllm_dtype": served.dtype,
+           "int8_kernel": next((k for k in KERNELS if k in notes), None),
+           "amx_dispatch_emulated": args.emulate_amx_dispatch,
+           "int8_gemm_saturates": int8_gemm_saturates(), "layers": layer_errors(served, kernel, chats)}
     prompts = [tokenizer.apply_chat(f"What is {a} + {b}?", tokenize=True) for a, b in SUMS]
     sampling = SamplingParams(max_new_tokens=16)
     seeds = {}
@@ -135,6 +138,8 @@ def main() -> None:
         seeds[seed] = row
     out.update(model=MODEL, unit="|Δlogp| [mean, max] over response tokens", seeds=seeds,
                loadavg=os.getloadavg())
+    print(f"vLLM in {served.dtype}; its int8 layers on {out['int8_kernel']}; "
+          f"{int8_cpu_kernel()} is this CPU's own", file=sys.stderr)
     print(json.dumps(out, indent=1))
 
 

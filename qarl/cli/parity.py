@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     if schemes is None:
         schemes = [quant.scheme] if quant is not None else list(SCHEMES)
         if args.engine == "vllm" and quant is None:
-            from qarl.config.checks import VLLM_CPU_SCHEMES
+            from qarl.rollout.vllm_support import VLLM_CPU_SCHEMES
 
             schemes = list(VLLM_CPU_SCHEMES)  # what vLLM serves everywhere
     aligns = args.aligns or list(VLLM_ALIGNS if args.engine == "vllm" else ALIGNS)

@@ -33,6 +33,7 @@ from qarl.config.dist_checks import dist_is_possible
 from qarl.model import SUPPORTED_ARCHITECTURES, ZOO
 from qarl.model.config import MOE_FAMILIES
 from qarl.quant import SCHEMES, scheme_options
+from qarl.rollout.vllm_support import VLLM_CUDA_SCHEMES, dtype_problem, served_schemes
 from qarl.tasks import REWARDS, TASKS, task_options
 
 DATASET_SUFFIXES = (".jsonl", ".parquet")
@@ -242,15 +243,11 @@ def model_exists(model) -> list[Problem]:
                                   f"existing path; zoo models: {', '.join(sorted(ZOO))}")]
 
 
-# Schemes vLLM serves from qarl's compressed-tensors layout: on its CPU build, and with CUDA.
-VLLM_CPU_SCHEMES = ("none", "w8a8-int8")
-VLLM_CUDA_SCHEMES = (*VLLM_CPU_SCHEMES, "w8a8-fp8", "w8a8-fp8-block", "w4a16-int4", "w4a16-nvfp4")
-
-
 def vllm_engine_fits(rollout, quant) -> list[Problem]:
     """rollout.engine = 'vllm' needs the vllm package, quant.align 'fake' or 'naive' (the
-    learner cannot run vLLM's kernels) and a scheme vLLM runs on this machine: none and
-    w8a8-int8 on CPU; also w8a8-fp8, w8a8-fp8-block, w4a16-int4, w4a16-nvfp4 with CUDA."""
+    learner cannot run vLLM's kernels), a scheme vLLM runs on this machine (none and
+    w8a8-int8 on CPU; also w8a8-fp8, w8a8-fp8-block, w4a16-int4, w4a16-nvfp4 with CUDA) and a
+    dtype its kernels take here (`qarl.rollout.vllm_support`)."""
     if rollout.engine != "vllm":
         return []
     problems = []
@@ -263,16 +260,18 @@ def vllm_engine_fits(rollout, quant) -> list[Problem]:
         problems.append(Problem("quant.align", "'kernel' runs qarl's own kernels in the "
                                 "learner, which vLLM does not run; with rollout.engine = "
                                 "'vllm' use 'fake' (same quantizer and codes as vLLM) or 'naive'"))
-    import torch
-
-    cuda = torch.cuda.is_available()
-    served = VLLM_CUDA_SCHEMES if cuda else VLLM_CPU_SCHEMES
+    served = served_schemes()
     if quant.scheme in SCHEMES and quant.scheme not in served:
+        cuda = served == VLLM_CUDA_SCHEMES
         where = "with CUDA" if cuda else "on CPU (vLLM's CPU build)"
         more = "" if cuda else f"; with CUDA also {', '.join(VLLM_CUDA_SCHEMES[2:])}"
         problems.append(Problem("quant.scheme", f"{quant.scheme!r} is not served by vLLM "
                                 f"{where}: use one of {', '.join(served)}{more}, or "
                                 "rollout.engine = 'local'"))
+    dtype = dtype_problem(rollout.vllm_dtype, quant.scheme)
+    if dtype is not None:
+        problems.append(Problem("rollout.vllm_dtype", f"'float32' with quant.scheme = "
+                                f"'{quant.scheme}': {dtype}"))
     return problems
 
 

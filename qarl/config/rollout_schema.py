@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from qarl.config.section import SECTION as _SECTION
+from qarl.rollout.vllm_support import VLLM_DTYPES
 
 
 class RolloutSection(BaseModel):
@@ -40,6 +41,11 @@ class RolloutSection(BaseModel):
         "(qarl's own) or 'vllm' (vLLM in this process, fed qarl's codes in compressed-tensors "
         "layout after every step; needs quant.align 'fake' or 'naive' and `pip install "
         "'qarl[vllm]'`, see qarl/rollout/README.md).")
+    vllm_dtype: Literal[VLLM_DTYPES] = Field("auto", description="What vLLM computes in "
+        "(rollout.engine = 'vllm'): 'auto' = float32, the learner's precision, where vLLM's "
+        "kernels take it, else bfloat16 (a bfloat16 master; an int8 scheme on x86 CPUs with "
+        "AMX, whose vLLM int8 kernel takes only 16-bit activations); or 'float32' / "
+        "'bfloat16'. qarl/rollout/README.md has the measured mismatch of each.")
 
 
 class TaskSection(BaseModel):

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loaded first: its libgomp is the one kernels.c links against)
 
+from qarl.native.isa import cpu_flags
+
 SOURCES = [Path(__file__).with_name(name)
            for name in ("kernels.c", "kernels_s8.c", "attention.c", "decode.c")]
 # included by the sources: part of the hash
@@ -30,18 +32,6 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-s
 DISABLE_ENV = "QARL_NATIVE"  # QARL_NATIVE=0 turns the native kernels off
 
 _state: dict = {}
-
-
-def cpu_flags() -> set[str]:
-    """The x86 feature flags of this CPU (/proc/cpuinfo); empty where unknown."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def _compiler() -> str | None:

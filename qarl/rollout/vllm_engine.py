@@ -31,28 +31,34 @@ How the contract is met:
   the CPU int8 kernel's oneDNN handle pointing at freed scale storage: its outputs go wrong.)
   `lm_head.weight` is always pushed, tied or not.
 
-vLLM's CPU W8A8 int8 GEMM is not exact on x86 CPUs without VNNI (AVX2 / AVX-512 without
-`avx512_vnni`, `avx_vnni` or AMX): its oneDNN kernel stores the activation codes as
+The dtype vLLM runs in (`dtype`, `rollout.vllm_dtype`): float32, the learner's precision,
+wherever vLLM's int8 kernel takes it; bfloat16 where it does not (x86 CPUs with AMX, whose int8
+kernel takes only 16-bit activations: `qarl.rollout.vllm_support`) or for a bfloat16 master.
+In bfloat16 vLLM's embeddings, norms, attention, activations and lm_head round to bf16 where
+the `fake` learner computes in fp32: the measured gap is in qarl/rollout/README.md.
+
+vLLM's CPU W8A8 int8 GEMM (oneDNN) is not exact on x86 CPUs without VNNI (AVX2 / AVX-512
+without `avx512_vnni`, `avx_vnni` or AMX): its oneDNN kernel stores the activation codes as
 u = q + 128 (uint8) and multiplies with `vpmaddubsw`, which adds each pair of adjacent
 products u_k w_k + u_k+1 w_k+1 into int16 with saturation at +-32767 (two products of
 255 x 127 reach 64770), then subtracts 128 * sum_k w_k. qarl's int8 GEMMs are exact
 (qarl.native keeps |q| <= 127 in the uint8 operand and puts the sign on the weight, so a pair
 stays below 2 x 127 x 127 < 32767). On SmolLM2-135M the saturation moves a linear layer's
 output by 1e-2 relative (median; up to 0.13), where qarl's exact GEMM matches the float64
-reference to 4e-8; the emulation
-(each adjacent pair clamped to int16) reproduces vLLM's outputs to fp32 rounding (< 5e-8) on
-all 120 int8 layers of one prefill, given vLLM's activation codes (its quantizer multiplies by
-1 / s where qarl divides by s: 4 of 7.7M codes round the other way). The measured logprob gaps
-are in qarl/rollout/README.md. With VNNI (vpdpbusd adds four products in int32) or on CUDA,
-vLLM's int8 GEMM has no such saturation (not measured here).
-`int8_gemm_saturates()` tells whether this CPU is affected; the engine logs a warning at start
-and `describe` names the layers.
+reference to 4e-8; the emulation (each adjacent pair clamped to int16) reproduces vLLM's
+outputs to fp32 rounding (< 5e-8) on all 120 int8 layers of one prefill, given vLLM's
+activation codes (its quantizer multiplies by 1 / s where qarl divides by s: 4 of 7.7M codes
+round the other way). With VNNI (vpdpbusd adds four products in int32) the same layers match
+the exact products to 4.4e-8 (measured on an Intel Xeon with AVX512-VNNI). Even so vLLM's
+int8 logprobs are tenths of a nat from qarl's: per-token int8 activation quantizers amplify
+last-bit differences of attention and norms (qarl's own exact engine against its fake learner
+shows the same floor). `int8_gemm_saturates()` tells whether this CPU saturates; the engine
+logs a warning at start and `describe` names the kernel of every layer.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -60,51 +66,20 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
 
 from qarl.model.decoder import CausalLM
-from qarl.native import build as native_build
 from qarl.rollout.engine import left_pad, response_budget
 from qarl.rollout.sampling import row_seed
+from qarl.rollout.vllm_support import FLOAT32_ON_AMX, KERNEL_AMX, int8_gemm_saturates, resolve_dtype
+from qarl.rollout.vllm_weights import (
+    INT8_METHODS, default_dtype, install_checkpoint_tensors, int8_layers_needing_16bit,
+    int8_method, quiet_vllm_reload, served_model, take_layer, write_policy_folder,
+)
 from qarl.types import FINISH_LENGTH, FINISH_STOP, RolloutBatch, SamplingParams
 
 KV_CACHE_BYTES = 256 * 2**20  # RL batches of short responses fit many times over
-VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # int8 dot products summed in int32
-SATURATING = ("int16-saturating pair sums on this CPU (no VNNI): not the exact products qarl "
-              "computes; see qarl/rollout/README.md")
 log = logging.getLogger(__name__)
-
-
-def int8_gemm_saturates(cpu_flags: set[str] | None = None) -> bool:
-    """Whether vLLM's CPU int8 GEMM (oneDNN) sums pairs of uint8 x int8 products into int16
-    with saturation here: an x86 CPU (`cpu_flags` from /proc/cpuinfo, read when None) with no
-    VNNI / AMX-INT8 instruction (module docstring). False off x86 or where the flags are
-    unknown."""
-    flags = native_build.cpu_flags() if cpu_flags is None else cpu_flags
-    return "sse2" in flags and not any(f in flags for f in VNNI_FLAGS)
-
-
-def write_policy_folder(model: CausalLM, folder: Path) -> Path:
-    """`model`'s current weights as a folder vLLM loads: config.json (+ the compressed-tensors
-    `quantization_config` when a layer is quantized) and model.safetensors (tied lm_head once)."""
-    from qarl.export import ct_state, quantization_config
-    from qarl.model.names import state_on_disk
-    from qarl.quant import QWeight, export_state
-
-    state = state_on_disk(model.config.family, export_state(model))  # Mixtral's expert names
-    folder.mkdir(parents=True, exist_ok=True)
-    config = model.config.to_hf()
-    config["dtype"] = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
-    if any(isinstance(v, QWeight) for v in state.values()):
-        config["quantization_config"] = quantization_config(state)
-    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    tensors = ct_state(state)
-    if model.config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    save_file({k: v.detach().contiguous().clone() for k, v in sorted(tensors.items())},
-              folder / "model.safetensors", metadata={"format": "pt"})
-    return folder
 
 
 @contextlib.contextmanager
@@ -121,15 +96,18 @@ class VLLMEngine:
     """Generates rollouts with vLLM (CPU build or CUDA) from `model`'s weights; implements
     `qarl.rollout.Engine`. `model` is the engine's qarl copy (`qarl.train.setup.engine_copy`);
     `folder` is where the starting policy is written for vLLM to load. eos / pad / max_context
-    as for `LocalEngine`. vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 is set),
-    eager (no compilation: seconds to start), with a small KV cache (`kv_cache_bytes`, raised
-    to what one request of `max_context` tokens needs)."""
+    as for `LocalEngine`. `dtype`: what vLLM computes in, "auto" (float32 where its kernels
+    take it, else bfloat16: `qarl.rollout.vllm_support`), "float32" or "bfloat16"; float32
+    where an int8 layer's kernel needs 16-bit activations raises ValueError. vLLM runs in this
+    process (VLLM_ENABLE_V1_MULTIPROCESSING=0 is set), eager (no compilation: seconds to
+    start), with a small KV cache (`kv_cache_bytes`, raised to what one request of
+    `max_context` tokens needs)."""
 
     stop_check = staticmethod(lambda: None)  # vLLM's generate runs to its end; see LocalEngine
 
     def __init__(self, model: CausalLM, folder: Path, eos_token_ids: Sequence[int] | None = None,
                  pad_token_id: int = 0, max_context: int | None = None, seed: int = 0,
-                 kv_cache_bytes: int = KV_CACHE_BYTES):
+                 kv_cache_bytes: int = KV_CACHE_BYTES, dtype: str = "auto"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model object stays reachable
         from vllm import LLM
 
@@ -139,17 +117,18 @@ class VLLMEngine:
         self.pad_token_id = pad_token_id
         self.max_context = (model.config.max_position_embeddings if max_context is None
                             else max_context)
+        self.dtype = self._choose_dtype(dtype)
         self.folder = write_policy_folder(model, Path(folder))
-        dtype = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
         c = model.config  # vLLM refuses to start unless one request of max_context fits
         per_token = (2 * c.num_layers * c.num_kv_heads * c.head_dim
-                     * model.model.embed_tokens.weight.element_size())  # K and V bytes
+                     * getattr(torch, self.dtype).itemsize)  # K and V bytes
         kv_cache_bytes = max(kv_cache_bytes, int(1.25 * per_token * self.max_context))
         with _global_rng_kept():
             self.llm = LLM(model=str(self.folder), skip_tokenizer_init=True, enforce_eager=True,
-                           dtype=dtype, seed=seed, logprobs_mode="processed_logprobs",
+                           dtype=self.dtype, seed=seed, logprobs_mode="processed_logprobs",
                            max_model_len=self.max_context, kv_cache_memory_bytes=kv_cache_bytes)
         self.last_sync_seconds = 0.0
+        log.info("vLLM serves the policy in %s: %s", self.dtype, self.describe()["vllm"])
         saturating = self.saturating_int8_layers()
         if saturating:
             log.warning(
@@ -159,6 +138,16 @@ class VLLMEngine:
                 "tenths of a nat (SmolLM2-135M). Use a CPU with VNNI/AMX or CUDA for int8 "
                 "rollouts that follow the learner's arithmetic, or rollout.engine = 'local'",
                 len(saturating), saturating[0])
+
+    def _choose_dtype(self, requested: str) -> str:
+        """`requested`, or auto's choice; refuse float32 where an int8 layer would run on a
+        kernel that takes only 16-bit activations (asked of vLLM's own dispatch rule)."""
+        master = str(self.model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+        needs_16bit = int8_layers_needing_16bit(self.model)
+        if requested == "float32" and needs_16bit:
+            raise ValueError(f"VLLMEngine(dtype='float32'): {len(needs_16bit)} int8 layers "
+                             f"(first: {needs_16bit[0]}): {FLOAT32_ON_AMX}")
+        return resolve_dtype(requested, master, bool(needs_16bit))
 
     @classmethod
     def from_tokenizer(cls, model: CausalLM, tokenizer, folder: Path, **kwargs) -> "VLLMEngine":
@@ -242,28 +231,31 @@ class VLLMEngine:
         quantized = {name: layer for name, layer in vllm_model.named_modules()
                      if hasattr(layer, "scheme")}
         packed = getattr(vllm_model, "packed_modules_mapping", {})
-        layer_tensors = {name: self._take_layer(tensors, name, packed) for name in quantized}
-        with _quiet_vllm_reload():
+        layer_tensors = {name: take_layer(tensors, name, packed) for name in quantized}
+        with quiet_vllm_reload():
             self.llm.collective_rpc("reload_weights",
                                     kwargs={"weights_iterator": iter(list(tensors.items()))})
-        with torch.no_grad():
+        with torch.no_grad(), default_dtype(getattr(torch, self.dtype)):
             for name, layer in quantized.items():
-                _install_checkpoint_tensors(layer, layer_tensors[name])
+                install_checkpoint_tensors(layer, layer_tensors[name])
         self.last_sync_seconds = time.perf_counter() - start
 
     def describe(self) -> dict[str, str]:
-        """Per vLLM module with weights: its class and, when quantized, the compressed-tensors
-        scheme and kernel class vLLM picked."""
-        out, saturating = {}, set(self.saturating_int8_layers())
+        """"vllm": the dtype vLLM computes in and why; per vLLM module with weights: its class
+        and, when quantized, the compressed-tensors scheme, the kernel class vLLM picked and,
+        for int8 layers on the CPU build, what that kernel computes (`vllm_support`)."""
+        out = {"vllm": self._dtype_note()}
         for name, module in self._vllm_model().named_modules():
             scheme = getattr(module, "scheme", None)
             if scheme is not None:
-                kernel = type(getattr(scheme, "kernel", scheme)).__name__
-                out[name] = f"vLLM {type(module).__name__}, {type(scheme).__name__} on {kernel}"
-                if name in saturating:
-                    out[name] += f" ({SATURATING})"
+                kernel = getattr(scheme, "kernel", scheme)
+                out[name] = (f"vLLM {type(module).__name__}, {type(scheme).__name__} on "
+                             f"{type(kernel).__name__}")
+                method = int8_method(kernel)
+                if method is not None:
+                    out[name] += f" ({INT8_METHODS[method]()})"
             elif name.endswith(("lm_head", "embed_tokens")):
-                out[name] = f"vLLM {type(module).__name__}, full precision"
+                out[name] = f"vLLM {type(module).__name__}, unquantized, {self.dtype}"
         return out
 
     def saturating_int8_layers(self) -> list[str]:
@@ -271,13 +263,22 @@ class VLLMEngine:
         CPU (`int8_gemm_saturates`); [] otherwise."""
         if not int8_gemm_saturates():
             return []
-        names = []
-        for name, module in self._vllm_model().named_modules():
-            kernel = getattr(getattr(module, "scheme", None), "kernel", None)
-            method = getattr(kernel, "linear_method", None)
-            if getattr(method, "__name__", "") == "_apply_weights_onednn":
-                names.append(name)
-        return names
+        return [name for name, module in self._vllm_model().named_modules()
+                if int8_method(getattr(getattr(module, "scheme", None), "kernel", None))
+                == "_apply_weights_onednn"]
+
+    def _dtype_note(self) -> str:
+        amx = [name for name, module in self._vllm_model().named_modules()
+               if int8_method(getattr(getattr(module, "scheme", None), "kernel", None))
+               == "_apply_weights_sgl"]
+        if self.dtype == "float32":
+            return "vLLM in float32, the learner's precision"
+        master = self.model.model.embed_tokens.weight.dtype
+        why = (f"{len(amx)} int8 layers run vLLM's {KERNEL_AMX}" if amx
+               else "the model's weights are bfloat16" if master == torch.bfloat16
+               else "as asked")
+        return (f"vLLM in {self.dtype} ({why}): its activations, attention, norms and lm_head "
+                f"round to {self.dtype}, where a fake or naive learner computes in fp32")
 
     # ---- helpers ----------------------------------------------------------------------------
 
@@ -300,7 +301,7 @@ class VLLMEngine:
                                      use_tqdm=False)
 
     def _vllm_model(self) -> torch.nn.Module:
-        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
+        return served_model(self.llm)
 
     def _check_mask(self, batch: RolloutBatch, sampling: SamplingParams) -> None:
         """response_mask must be what generate gives for these tokens: a row ends at its first
@@ -315,37 +316,3 @@ class VLLMEngine:
                 "score(): the batch's response_mask does not follow from its tokens (a row ends "
                 "at its first EOS/stop id, or runs to the last column); pass a RolloutBatch "
                 "produced by generate() with the same stop ids")
-
-    @staticmethod
-    def _take_layer(tensors: dict[str, Tensor], module: str, packed: dict) -> dict[str, Tensor]:
-        """Remove and return one vLLM quantized layer's checkpoint tensors, its packed parts
-        (q, k, v -> qkv_proj) stacked along the output dimension."""
-        parent, _, leaf = module.rpartition(".")
-        parts = [f"{parent}.{p}" for p in packed.get(leaf, [leaf])]
-        leaves = sorted({k[len(parts[0]) + 1:] for k in tensors if k.startswith(parts[0] + ".")})
-        if not leaves:
-            raise KeyError(f"no tensors for vLLM's quantized layer {module} (looked for "
-                           f"{parts[0]}.*); the state and the served model do not match")
-        return {leaf_name: torch.cat([tensors.pop(f"{p}.{leaf_name}") for p in parts])
-                for leaf_name in leaves}
-
-
-def _install_checkpoint_tensors(layer: torch.nn.Module, tensors: dict[str, Tensor]) -> None:
-    """Give a vLLM quantized layer fresh checkpoint-format parameters and let its scheme
-    repack them (what loading a checkpoint does), so no state of the old weights survives."""
-    for name, value in tensors.items():
-        layer.register_parameter(name, torch.nn.Parameter(value.clone(), requires_grad=False))
-    layer.scheme.process_weights_after_loading(layer)
-
-
-@contextlib.contextmanager
-def _quiet_vllm_reload():
-    """The quantized layers are left out of vLLM's reload on purpose; its per-layer "Failed to
-    load weights" warnings would say otherwise."""
-    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)

@@ -32,7 +32,8 @@ See docs/alignment.md for what the numbers mean and a measured matrix.
 `engine="vllm"`: the samples come from a `VLLMEngine` (vLLM in this process, fed qarl's codes
 in compressed-tensors layout) instead of the local engine; the alignments are `naive` and
 `fake` (the learner cannot run vLLM's kernels) and the schemes those vLLM serves here
-(qarl.config.checks.VLLM_CPU_SCHEMES / VLLM_CUDA_SCHEMES).
+(`qarl.rollout.vllm_support.served_schemes`), in the dtype `rollout.vllm_dtype = "auto"`
+chooses on this machine (each row's `engine` says which).
 """
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ import torch
 from torch import Tensor
 
 from qarl.config import QuantSection
+from qarl.rollout.vllm_support import VLLM_ALIGNS
 from qarl.types import RolloutBatch, SamplingParams
 
 ALIGNS = ("naive", "fake", "kernel")
 ENGINES = ("local", "vllm")
-VLLM_ALIGNS = ("naive", "fake")
 DECODE_REPLAY, FULL_SEQUENCE = "decode-replay", "full-sequence"
 # Response-position buckets (start positions); empty buckets are left out of a row.
 POSITION_BUCKETS = (0, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -72,6 +73,7 @@ class Arm:
     routing_replay: bool | None = None  # MoE: learner ran the engine's experts; None: dense
     # MoE decode-replay: the learner routers' own top-k, [N, P + L, moe_layers, k] int16
     learner_routing: Tensor | None = None
+    engine: str = "local"  # what sampled: "local", or "vllm <dtype>" (vLLM's dtype here)
 
 
 def check_names(schemes: Sequence[str], aligns: Sequence[str], options: dict | None = None,
@@ -106,11 +108,9 @@ def check_names(schemes: Sequence[str], aligns: Sequence[str], options: dict | N
 
 
 def _vllm_problems(schemes: Sequence[str], aligns: Sequence[str]) -> list[str]:
-    import torch
+    from qarl.rollout.vllm_support import served_schemes
 
-    from qarl.config.checks import VLLM_CPU_SCHEMES, VLLM_CUDA_SCHEMES
-
-    served = VLLM_CUDA_SCHEMES if torch.cuda.is_available() else VLLM_CPU_SCHEMES
+    served = served_schemes()
     problems = [f"alignment {a!r} cannot be measured with vLLM (the learner cannot run its "
                 f"kernels); use {list(VLLM_ALIGNS)}" for a in aligns if a not in VLLM_ALIGNS]
     unserved = [s for s in schemes if s not in served]
@@ -197,6 +197,7 @@ def run_arms(
             update={"scheme": scheme})), tokenizer, Path(tempfile.mkdtemp(prefix="qarl-parity-")))
         batch = sampler.generate(prompts, sampling, seed=seed)
         sampled_with = _engine_codes(sampler)
+        sampled_by = f"vllm {sampler.dtype}" if engine == "vllm" else "local"
         # The identity scheme: every alignment builds the same plain learner; measure it once.
         for align in aligns if not identity else ("naive",):
             start = time.perf_counter()
@@ -209,14 +210,15 @@ def run_arms(
             for replay in replays:
                 old_logp, routing = scorer.score_routing(batch, sampling, replay=bool(replay))
                 yield Arm(scheme, align, DECODE_REPLAY, old_logp, batch,
-                          time.perf_counter() - start, layers, replay, routing)
+                          time.perf_counter() - start, layers, replay, routing,
+                          engine=sampled_by)
                 if include_full_sequence and (align == "kernel" or identity):
                     start = time.perf_counter()
                     with torch.no_grad():
                         fast, _ = response_logprobs(learner, batch, temperature,
                                                     routing_replay=bool(replay))
                     yield Arm(scheme, align, FULL_SEQUENCE, fast, batch,
-                              time.perf_counter() - start, layers, replay)
+                              time.perf_counter() - start, layers, replay, engine=sampled_by)
                 start = time.perf_counter()
 
 
@@ -235,6 +237,7 @@ def arm_row(arm: Arm) -> dict:
     return {
         "scheme": arm.scheme,
         "align": arm.align,
+        "engine": arm.engine,
         "path": arm.path,
         "mean_abs_dlogp": m["abs_diff_mean"],
         "max_abs_dlogp": m["abs_diff_max"],
@@ -284,16 +287,20 @@ def _num(value: float) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    """Rows as an aligned text table; one column per response-position bucket seen; MoE rows
-    add the routing replay flag and the routing disagreement fraction after the path."""
+    """Rows as an aligned text table; one column per response-position bucket seen; vLLM rows
+    add the engine (vLLM's dtype) and MoE rows the routing replay flag and the routing
+    disagreement fraction after the path."""
     buckets = sorted({b for r in rows for b in r["by_position"]}, key=lambda b: int(b.split("-")[0].rstrip("+")))
     moe = any(r.get("routing_replay") is not None for r in rows)
-    header = ["scheme", "align", "path", *(("replay", "route≠") if moe else ()), "mean|Δ|", "max|Δ|", "k3-KL", "ρ mean", "ρ min", "ρ max",
+    served = any(r["engine"] != "local" for r in rows)  # vLLM rows name vLLM's dtype
+    header = ["scheme", "align", "path", *(("engine",) if served else ()),
+              *(("replay", "route≠") if moe else ()), "mean|Δ|", "max|Δ|", "k3-KL", "ρ mean", "ρ min", "ρ max",
               "exact", *(f"|Δ| @{b}" for b in buckets), "tokens", "s"]
     lines = [header]
     for r in rows:
         lines.append([
-            r["scheme"], r["align"], r["path"], *(_routing_cells(r) if moe else ()),
+            r["scheme"], r["align"], r["path"], *((r["engine"],) if served else ()),
+            *(_routing_cells(r) if moe else ()),
             _num(r["mean_abs_dlogp"]), _num(r["max_abs_dlogp"]),
             _num(r["k3_kl"]), *(f"{r[k]:.6f}" for k in ("seq_ratio_mean", "seq_ratio_min", "seq_ratio_max")),
             "yes" if r["bit_exact"] else "no",

@@ -183,7 +183,7 @@ def vllm_engine(config: RunConfig, model: CausalLM, tokenizer: Tokenizer, folder
                                                   config.eval.max_new_tokens)
     return VLLMEngine.from_tokenizer(model, tokenizer, folder,
                                      max_context=config.model.max_context or longest,
-                                     seed=config.run.seed)
+                                     seed=config.run.seed, dtype=config.rollout.vllm_dtype)
 
 
 def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | None = None,

@@ -20,7 +20,7 @@ pytestmark = [
 ]
 vllm = pytest.importorskip("vllm")
 
-from qarl.config.checks import VLLM_CUDA_SCHEMES  # noqa: E402
+from qarl.rollout.vllm_support import VLLM_CUDA_SCHEMES  # noqa: E402
 from qarl.model import load_model, load_tokenizer  # noqa: E402
 from qarl.quant import export_state, quantize_model  # noqa: E402
 from qarl.rollout import LocalEngine  # noqa: E402

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("vllm")
 
 from qarl.quant import numerics as nm  # noqa: E402
-from qarl.rollout.vllm_engine import int8_gemm_saturates  # noqa: E402
+from qarl.rollout.vllm_support import int8_gemm_saturates  # noqa: E402
 
 
 def saturating_int8_dot(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:

@@ -59,3 +59,18 @@ def test_moe_model_is_refused(base_toml, write_recipe):
     assert len(moe) == 1 and "'tiny-moe'" in moe[0] and "rollout.engine = 'local'" in moe[0]
     dense = problems(base_toml, write_recipe, "--quant.align=fake") if not HAS_VLLM else {}
     assert not any("mixture-of-experts" in text for text in dense.values())
+
+
+def test_float32_int8_is_refused_on_an_amx_cpu(base_toml, write_recipe, monkeypatch):
+    """On an x86 CPU with AMX (probed as vLLM probes it) vLLM's int8 kernel takes only 16-bit
+    activations: vllm_dtype = 'float32' with w8a8-int8 is refused at load, naming AMX and the
+    alternatives; 'auto' and 'bfloat16' are not refused, nor float32 with scheme 'none'."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr("qarl.rollout.vllm_support.is_x86", lambda: True)
+    found = problems(base_toml, write_recipe, "--quant.align=fake", "--rollout.vllm_dtype=float32")
+    text = found["rollout.vllm_dtype"]
+    assert "AMX" in text and "'auto' or 'bfloat16'" in text and "rollout.engine = 'local'" in text
+    for ok in (["--rollout.vllm_dtype=auto"], ["--rollout.vllm_dtype=bfloat16"],
+               ["--rollout.vllm_dtype=float32", "--quant.scheme=none"]):
+        found = problems(base_toml, write_recipe, "--quant.align=fake", *ok) if not HAS_VLLM else {}
+        assert "rollout.vllm_dtype" not in found, ok

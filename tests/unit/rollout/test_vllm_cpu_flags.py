@@ -1,7 +1,7 @@
 """`int8_gemm_saturates`: which CPUs run vLLM's oneDNN int8 GEMM with int16-saturating pair sums
 (qarl/rollout/vllm_engine.py). Needs no vllm: the function reads CPU flags only."""
 
-from qarl.rollout.vllm_engine import int8_gemm_saturates
+from qarl.rollout.vllm_support import int8_gemm_saturates
 
 
 def test_saturates_exactly_on_x86_without_vnni():

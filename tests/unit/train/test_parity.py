@@ -22,7 +22,7 @@ from qarl.train.parity import (
 
 QUANTIZED = [s for s in SCHEMES if not SCHEMES[s].is_identity]
 ROW_KEYS = {
-    "scheme", "align", "path", "mean_abs_dlogp", "max_abs_dlogp", "k3_kl", "seq_ratio_mean",
+    "scheme", "align", "engine", "path", "mean_abs_dlogp", "max_abs_dlogp", "k3_kl", "seq_ratio_mean",
     "seq_ratio_min", "seq_ratio_max", "by_position", "num_tokens", "seconds", "bit_exact",
     "routing_replay", "routing_disagree_frac",
 }
@@ -130,7 +130,7 @@ def test_cli_table(tiny_dir, capsys):
 
 def test_format_table_notation():
     """Tiny numbers print in scientific notation, larger ones as decimals, zero as 0."""
-    row = dict(scheme="s", align="a", path="p", mean_abs_dlogp=3.1e-7, max_abs_dlogp=0.0,
+    row = dict(scheme="s", align="a", path="p", engine="local", mean_abs_dlogp=3.1e-7, max_abs_dlogp=0.0,
                k3_kl=0.25, seq_ratio_mean=1.0, seq_ratio_min=1.0, seq_ratio_max=1.0,
                by_position={"0-7": 2e-4}, bit_exact=False, num_tokens=3, seconds=0.5)
     cells = format_table([row]).splitlines()[1].split()

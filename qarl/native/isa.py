@@ -1,0 +1,69 @@
+"""What this CPU can do, read once from /proc/cpuinfo: its name, its x86 feature flags, and
+the instruction-set levels qarl's kernels and benchmarks name (`isa_levels`).
+
+The machines qarl runs on vary (an AVX2-only AMD EPYC, an Intel Xeon with AVX-512 and VNNI,
+one with AVX512-BF16 and AMX as well), and several results depend on which: the speed of
+every GEMM, and the arithmetic of vLLM's int8 kernels (qarl.rollout.vllm_support). Every
+benchmark's JSON carries `machine()` so a figure always names the CPU it came from.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from pathlib import Path
+
+# ISA levels, lowest first: (name, the flags that make it)
+LEVELS = (
+    ("avx2", ("avx2", "fma")),
+    ("avx512", ("avx512f", "avx512bw", "avx512vl")),
+    ("avx512_vnni", ("avx512_vnni",)),
+    ("avx_vnni", ("avx_vnni",)),
+    ("avx512_bf16", ("avx512_bf16",)),
+    ("amx_bf16", ("amx_bf16", "amx_tile")),
+    ("amx_int8", ("amx_int8", "amx_tile")),
+)
+
+
+@functools.cache
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo; empty where there is none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            break  # the first processor's block ends at its first blank line
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_flags() -> set[str]:
+    """The x86 feature flags of this CPU (/proc/cpuinfo); empty where unknown."""
+    return set(_cpuinfo().get("flags", "").split())
+
+
+def cpu_name() -> str:
+    """The CPU's model name as `lscpu` prints it (e.g. 'AMD EPYC 7B13'), else the machine."""
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
+
+
+def isa_levels(flags: set[str] | None = None) -> list[str]:
+    """The ISA levels of `LEVELS` this CPU has (`flags`, this CPU's when None), lowest first."""
+    flags = cpu_flags() if flags is None else flags
+    return [name for name, needs in LEVELS if all(f in flags for f in needs)]
+
+
+def machine() -> dict:
+    """What a benchmark figure depends on: CPU name, ISA levels, cores, torch threads."""
+    import torch
+
+    info = _cpuinfo()
+    return {"cpu": cpu_name(), "cpu_id": f"{info.get('vendor_id', '?')} family "
+            f"{info.get('cpu family', '?')} model {info.get('model', '?')}",
+            "isa": isa_levels(), "cores": os.cpu_count(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}

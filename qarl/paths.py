@@ -1,13 +1,33 @@
 """Where qarl keeps what it prepares once per machine: `$QARL_HOME` (default `~/.cache/qarl`),
-holding converted zoo models (`models/`) and compiled native kernels (`kernels/`). Imports
-nothing of qarl, so every package may ask it."""
+holding converted zoo models (`models/`), warm-start SFT results (`sft/`) and compiled native
+kernels (`kernels/`), and the lock that lets several qarl processes fill it at once
+(`cache_lock`). Imports nothing of qarl, so every package may ask it."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
 def qarl_home() -> Path:
     """`$QARL_HOME`, default `~/.cache/qarl`."""
     return Path(os.environ.get("QARL_HOME") or Path.home() / ".cache" / "qarl").expanduser()
+
+
+@contextmanager
+def cache_lock(entry: Path) -> Iterator[None]:
+    """An exclusive lock on one cache entry (a folder under `$QARL_HOME` being prepared), held
+    in the block: other qarl processes preparing the same entry wait, then find it ready. The
+    lock is a file beside the entry (`.<name>.lock`), released when the block ends or the
+    process dies."""
+    entry = Path(entry)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with open(entry.with_name(f".{entry.name}.lock"), "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

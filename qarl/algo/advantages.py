@@ -6,6 +6,10 @@ std and gets advantage 0, so it neither pulls the baseline nor receives a gradie
 A group whose scorable rewards are all equal (including a group with at most one scorable
 sample) carries no learning signal: all its advantages are 0 and `info.all_equal` marks it,
 so DAPO's dynamic sampling can drop it (`info.keep`).
+
+Group statistics are float64: rewards that differ in their last float32 digits (10, 10.001,
+10.0005, 9.9995) would lose most of their spread to float32 rounding (7e-4 relative error
+in the advantage); the advantages are float32 (what the losses take).
 """
 
 from __future__ import annotations
@@ -29,14 +33,14 @@ class GroupInfo:
     all_equal: Tensor  # [G] bool, groups with no spread in their scorable rewards
     scorable: Tensor  # [N] bool, samples with a reward (not None / NaN)
     keep: Tensor  # [N] bool, samples of groups that are not all_equal (dynamic sampling)
-    mean: Tensor  # [G] float32, mean of the scorable rewards (0 when none)
-    std: Tensor  # [G] float32, unbiased std of the scorable rewards (0 when fewer than 2)
+    mean: Tensor  # [G] float64, mean of the scorable rewards (0 when none)
+    std: Tensor  # [G] float64, unbiased std of the scorable rewards (0 when fewer than 2)
 
 
-def _as_tensor(rewards: Sequence[float | None] | Tensor) -> Tensor:  # [N] float32
+def _as_tensor(rewards: Sequence[float | None] | Tensor) -> Tensor:  # [N] float64
     if isinstance(rewards, Tensor):
-        return rewards.detach().float()
-    return torch.tensor([math.nan if r is None else float(r) for r in rewards], dtype=torch.float32)
+        return rewards.detach().double()
+    return torch.tensor([math.nan if r is None else float(r) for r in rewards], dtype=torch.float64)
 
 
 def group_advantages(
@@ -63,7 +67,7 @@ def group_advantages(
         raise ValueError(f"eps must be >= 0, got {eps}")
     groups = r.view(-1, group_size)  # [G, K]
     scorable = ~torch.isnan(groups)  # [G, K]
-    n = scorable.sum(dim=1).float()  # [G]
+    n = scorable.sum(dim=1).double()  # [G]
     values = torch.where(scorable, groups, torch.zeros_like(groups))  # [G, K]
     # mean_g = Σ_k r / n_g
     mean = values.sum(dim=1) / n.clamp_min(1.0)  # [G]
@@ -89,7 +93,7 @@ def group_advantages(
         mean=mean,
         std=torch.where(n >= 2, std, torch.zeros_like(std)),
     )
-    return adv.reshape(-1), info
+    return adv.reshape(-1).float(), info
 
 
 def overlong_penalty(

@@ -8,6 +8,14 @@ Repeating every token of a response leaves s_i unchanged, where a product of tok
 would square. The sequence loss ℓ_i is repeated on each of the row's tokens, so with the
 default seq-mean-token-mean aggregation the loss is mean_i ℓ_i; token-mean weights each
 sequence by its length instead. Common keyword arguments as in `losses_ppo`.
+
+Token-level weights (`is_weights` from a token correction such as `tis_token`) multiply the
+repeated ℓ_i token by token, so under seq-mean-token-mean a row's loss is ℓ_i · mean_t w_it:
+the weights act on a sequence loss as their row mean (tested). That is the choice here, by
+design: a sequence ratio has one value per row and no token to give its own weight to.
+verl's GSPO-token variant instead puts each token's weight on a per-token copy of s_i
+(sg(s_i) · π_θ(y_t) / sg(π_θ(y_t))), which gives the same value and a different gradient;
+qarl does not implement it.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@ add_arguments(parser) and run(args); a module that sets ACCEPTS_OVERRIDES = True
 recipe overrides (--section.key=value), checked by qarl.config.
 
 Modules are imported only for the subcommand that runs, so `qarl --help` stays fast.
+A user error (`qarl.errors.UserError`: a bad recipe, file, folder or value) ends any command
+with its message on stderr and exit status 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -57,4 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     if rest and not getattr(module, "ACCEPTS_OVERRIDES", False):
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     args.overrides = rest
-    return int(module.run(args) or 0)
+    from qarl.errors import UserError
+
+    try:
+        return int(module.run(args) or 0)
+    except UserError as err:
+        print(f"qarl {name}: {err}", file=sys.stderr)
+        return 2

@@ -5,7 +5,6 @@ qarl/export/README.md for the formats and what is refused."""
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 
@@ -26,10 +25,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from qarl.export import export_run
 
-    try:
-        out = export_run(args.src, args.out, args.format, scheme=args.scheme)
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
-        print(f"qarl export: {err}", file=sys.stderr)
-        return 2
+    out = export_run(args.src, args.out, args.format, scheme=args.scheme)  # UserError: exit 2
     print(f"wrote {args.format} folder: {out}")
     return 0

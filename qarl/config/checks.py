@@ -30,6 +30,7 @@ from qarl.algo import (
 from qarl.config.errors import Problem, short, suggest, unknown_key
 from qarl.config.compare_schema import flatten_overrides
 from qarl.config.dist_checks import dist_is_possible
+from qarl.config.resources import RESOURCE_CHECKS
 from qarl.model import SUPPORTED_ARCHITECTURES, ZOO
 from qarl.model.config import MOE_FAMILIES
 from qarl.quant import SCHEMES, scheme_options
@@ -380,9 +381,12 @@ CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
 
 
 def run_checks(sections: Mapping[str, Any]) -> list[Problem]:
-    """All problems of the checks whose sections are all valid (present in `sections`)."""
+    """All problems of the checks whose sections are all valid (present in `sections`): the
+    checks above, then those of what the recipe points at (`resources.RESOURCE_CHECKS`)."""
     problems = []
-    for needs, check in CHECKS:
-        if all(name in sections for name in needs):
+    for needs, check in CHECKS + RESOURCE_CHECKS:
+        if needs == ("*",):
+            problems += check(sections)
+        elif all(name in sections for name in needs):
             problems += check(*(sections[name] for name in needs))
     return problems

@@ -8,6 +8,8 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel
 
+from qarl.errors import UserError
+
 
 class Problem(NamedTuple):
     """One thing wrong with a recipe: the dotted field path and a message saying what to do."""
@@ -19,7 +21,7 @@ class Problem(NamedTuple):
         return f"{self.path}: {self.message}" if self.path else self.message
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """Every problem found in a recipe, raised once. `problems` holds them as `Problem`s."""
 
     def __init__(self, problems: Iterable[Problem], source: str = "recipe") -> None:

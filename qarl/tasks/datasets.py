@@ -8,12 +8,16 @@ Whitespace-only JSONL lines are not rows and are not counted. If no row is usabl
 raises with the counts.
 
 Bad-row reasons:
+  not_utf8          the JSONL line is not UTF-8 text (a byte-order mark on the first line is
+                    fine: it is dropped)
   unparseable_json  the JSONL line is not valid JSON
   wrong_type        the row is not an object, or prompt/system is not a string, or answer is
                     not a string or number (booleans, lists and objects are refused)
   empty_prompt      prompt missing, null, or only whitespace
   missing_answer    answer missing, null, or only whitespace
-  too_long          length_fn(prompt) > max_prompt_len
+  too_long          length_fn(prompt) > max_prompt_len, or (counted by the trainer, which
+                    knows the tokenizer: `DatasetTask.drop_rows`) the templated prompt has
+                    more than task.max_prompt_tokens tokens
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from typing import Any
 
 from qarl.tasks.base import Example
 
-BAD_ROW_REASONS = ("empty_prompt", "missing_answer", "too_long", "unparseable_json", "wrong_type")
+BAD_ROW_REASONS = ("empty_prompt", "missing_answer", "not_utf8", "too_long", "unparseable_json",
+                   "wrong_type")
 _EXAMPLE_ROWS_KEPT = 5
 _FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 
@@ -64,9 +69,17 @@ class DatasetReport:
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed value or the _UNPARSEABLE marker) per non-blank line."""
-    with path.open("r", encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    """(line number, parsed value, or the _UNPARSEABLE / _NOT_UTF8 marker) per non-blank
+    line; a UTF-8 byte-order mark before the first line is dropped."""
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if number == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield number, _NOT_UTF8
+                continue
             if not line.strip():
                 continue
             try:
@@ -82,7 +95,7 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
         yield number, row
 
 
-_UNPARSEABLE = object()
+_UNPARSEABLE, _NOT_UTF8 = object(), object()
 
 
 def _blank(value: Any) -> bool:
@@ -95,6 +108,8 @@ def row_problem(
     """The bad-row reason of one parsed row, or None if it is usable."""
     if row is _UNPARSEABLE:
         return "unparseable_json"
+    if row is _NOT_UTF8:
+        return "not_utf8"
     if not isinstance(row, dict):
         return "wrong_type"
     prompt, answer, system = row.get("prompt"), row.get("answer"), row.get("system")
@@ -144,7 +159,7 @@ def load_dataset(
             continue
         extra = {k: v for k, v in row.items() if k not in ("prompt", "answer", "system")}
         answer = str(row["answer"]).strip()
-        examples.append(Example(row["prompt"], answer, row.get("system"), extra))
+        examples.append(Example(row["prompt"], answer, row.get("system"), extra, row=number))
     report.kept = len(examples)
     if not examples:
         raise ValueError(f"no usable rows in dataset: {report.summary()}")

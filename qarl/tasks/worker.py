@@ -16,7 +16,7 @@ returns is ever unpickled by the trainer):
 Reward fields are JSON values: a call whose fields are not (`encode_call` raises) is an
 `error` outcome before it reaches a worker. The worker ignores SIGINT (a Ctrl-C reaches the
 whole process group; the parent decides) and exits when told to or when the parent goes away
-(its pipe closes).
+(its pipe closes), quietly even in the middle of a call.
 """
 
 from __future__ import annotations
@@ -96,9 +96,13 @@ def serve(inbox: Connection, outbox: Connection) -> None:
 
 
 def serve_fds(read_fd: int, write_fd: int) -> None:
-    """`serve` over two inherited pipe file descriptors."""
+    """`serve` over two inherited pipe file descriptors. A parent gone mid-call (its pipes
+    closed: the trainer was killed) ends the worker quietly: nobody is left to answer."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    serve(Connection(read_fd, writable=False), Connection(write_fd, readable=False))
+    try:
+        serve(Connection(read_fd, writable=False), Connection(write_fd, readable=False))
+    except (BrokenPipeError, ConnectionResetError, EOFError):
+        pass
 
 
 # `-c` rather than `-m qarl.tasks.worker`: the package imports this module, and running it

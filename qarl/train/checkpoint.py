@@ -19,9 +19,11 @@ Writing (`save`): every file goes to `.tmp_step_000012/` and is fsynced; the fol
 fsynced, renamed to `step_000012/`, the run folder fsynced; then the `latest` pointer (a
 one-line file naming the folder) is replaced atomically the same way; last, checkpoints
 beyond the newest `keep` (and any past this step: a killed run's future, redone now) are
-renamed away and deleted. A process killed at any point leaves
-`latest` naming a complete checkpoint (or none yet): `latest(run_dir)` follows the pointer and
-falls back to the newest complete folder.
+renamed away and deleted. A process killed at any point leaves `latest` naming a complete
+checkpoint (or none yet): `find(run_dir)` follows the pointer and falls back to the newest
+whole folder, and names every folder that is not whole (`problem`: a file missing, cut
+short or corrupt), which a resume sets aside as `damaged_step_NNNNNN` (`set_aside`) instead
+of ever deleting it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import json
 import os
 import random
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from qarl.errors import UserError
+from qarl.model.loading import check_safetensors
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 only
+    import tomli as tomllib
 
 PREFIX = "step_"
 POINTER = "latest"
@@ -184,16 +195,59 @@ def _complete(run_dir: Path) -> list[Path]:
     return [f for f in found if all((f / name).is_file() for name in FILES)]
 
 
-def latest(run_dir: Path) -> Path | None:
-    """The checkpoint to resume from: the one `latest` names, else the newest complete one."""
+def problem(folder: Path) -> str | None:
+    """Why checkpoint `folder` cannot be resumed (a missing file; a weights, optimizer or RNG
+    file cut short or corrupt; a state.json or config.toml that does not parse), or None when
+    it is whole. Reads the safetensors headers and the small files, not the tensors."""
+    folder = Path(folder)
+    missing = [name for name in FILES if not (folder / name).is_file()]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    for name in ("model.safetensors", "optimizer.safetensors", "rng.safetensors"):
+        try:
+            check_safetensors(folder / name)
+        except UserError as err:
+            return str(err)
+    try:
+        int(json.loads((folder / "state.json").read_text())["step"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+        return f"{folder / 'state.json'} is not a checkpoint state ({type(err).__name__}: {err})"
+    try:
+        tomllib.loads((folder / "config.toml").read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        return f"{folder / 'config.toml'} does not parse ({err})"
+    return None
+
+
+def find(run_dir: Path) -> tuple[Path | None, dict[Path, str]]:
+    """(the checkpoint to resume from: the one `latest` names when it is whole, else the
+    newest whole one, or None; {every other checkpoint folder that is not whole: why})."""
     run_dir = Path(run_dir)
-    complete = _complete(run_dir)
+    folders = sorted(run_dir.glob(f"{PREFIX}*")) if run_dir.is_dir() else []
+    damaged = {f: why for f in folders if (why := problem(f)) is not None}
+    whole = [f for f in folders if f not in damaged]
     pointer = run_dir / POINTER
     if pointer.is_file():
-        named = run_dir / pointer.read_text().strip()
-        if named in complete:
-            return named
-    return complete[-1] if complete else None
+        named = run_dir / pointer.read_text(errors="replace").strip()
+        if named in whole:
+            return named, damaged
+    return (whole[-1] if whole else None), damaged
+
+
+def latest(run_dir: Path) -> Path | None:
+    """The checkpoint to resume from (`find`), or None."""
+    return find(run_dir)[0]
+
+
+def set_aside(folder: Path) -> Path:
+    """Rename a checkpoint that cannot be resumed to `damaged_<name>` (numbered if taken), out
+    of what saves clean up: qarl never deletes what it could not read."""
+    for n in range(1000):
+        target = folder.with_name(f"damaged_{folder.name}" + (f".{n}" if n else ""))
+        if not target.exists():
+            os.replace(folder, target)
+            return target
+    raise RuntimeError(f"cannot set {folder} aside: damaged_{folder.name}.* all taken")
 
 
 def clear(run_dir: Path) -> None:
@@ -228,6 +282,20 @@ def load(folder: Path, model: nn.Module, optimizers) -> tuple[dict, RngState]:
     saved = load_file(folder / "rng.safetensors")
     cuda = [saved[f"cuda.{i}"] for i in range(len(saved) - 1)]
     return state, RngState(saved["torch"], cuda, state.pop("python_random"))
+
+
+def keep_old_metrics(run_dir: Path) -> Path | None:
+    """A run starting at step 0 in a folder whose metrics file has no checkpoint behind it (its
+    run was stopped before the first save) keeps that file as metrics.<n>.old.jsonl; returns
+    where, or None when there was none."""
+    old = Path(run_dir) / METRICS
+    if not old.is_file():
+        return None
+    n = 1 + max((int(p.name.split(".")[1]) for p in Path(run_dir).glob("metrics.*.old.jsonl")
+                 if p.name.split(".")[1].isdigit()), default=0)
+    target = old.with_name(f"metrics.{n}.old.jsonl")
+    os.replace(old, target)
+    return target
 
 
 def restore_metrics(folder: Path, run_dir: Path) -> None:

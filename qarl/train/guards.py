@@ -1,8 +1,16 @@
 """What stops a run, and what it says when it does.
 
-- `BadStepGuard`: a step whose loss or gradient was not finite is skipped by the update
+- `BadStepGuard`: a step whose loss, gradient or optimizer settings (learning rate, weight
+  decay, betas: `settings_finite`) were not finite is skipped by the update
   (`phases.optimizer_step`: weights and optimizer state untouched, `guard/nonfinite` = 1);
   `train.max_bad_steps` such steps in a row abort the run with `TrainingAborted`.
+- `check_weights`: after every optimizer step, every weight is finite, or the run stops
+  (`NonFiniteWeights`) before those weights reach the engine or a checkpoint. With finite
+  gradients and settings AdamW and Muon cannot make a weight non-finite (Adam's step is
+  bounded by lr times a constant, Muon's is orthogonalized), so this catches what no input
+  check can: a bug or a hardware fault. Undoing such a step would take a copy of every
+  weight and moment before each step (1.6 GB on SmolLM2-135M); stopping at the last
+  checkpoint, intact, takes none.
 - Out of memory: `out_of_memory_message` names the settings to lower.
 - A stop signal: `RunStopped`, raised after the checkpoint of the finished steps is saved.
 Whatever stops a run, its last checkpoint is complete (qarl.train.checkpoint).
@@ -10,8 +18,12 @@ Whatever stops a run, its last checkpoint is complete (qarl.train.checkpoint).
 
 from __future__ import annotations
 
+import math
 import signal
 from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
 
 from qarl.config import RunConfig
 
@@ -21,15 +33,49 @@ class TrainingAborted(RuntimeError):
 
 
 class RunStopped(Exception):
-    """SIGTERM / SIGINT stopped the run after saving `checkpoint`; exit with `exit_code`."""
+    """SIGTERM / SIGINT stopped the run after saving `checkpoint` (None: stopped in the warm
+    start, before there was anything to save); exit with `exit_code`."""
 
-    def __init__(self, signum: int, checkpoint: Path, run_dir: Path):
+    def __init__(self, signum: int, checkpoint: Path | None, run_dir: Path):
         self.signum, self.checkpoint = signum, checkpoint
         self.exit_code = 128 + signum  # the shell's convention: 143 for SIGTERM, 130 for SIGINT
+        name = signal.Signals(signum).name
         super().__init__(
-            f"{signal.Signals(signum).name}: stopped; {checkpoint} holds the finished steps; "
-            f"continue with: qarl train --resume {run_dir}"
-        )
+            f"{name}: stopped; {checkpoint} holds the finished steps; continue with: qarl "
+            f"train --resume {run_dir}" if checkpoint is not None else
+            f"{name}: stopped before the first RL step (in the warm-start SFT); nothing was "
+            "saved: run the same command again to start")
+
+
+class NonFiniteWeights(TrainingAborted):
+    """An optimizer step left weights non-finite although its inputs were finite."""
+
+
+def settings_finite(optimizers: list[torch.optim.Optimizer]) -> bool:
+    """Every number in every optimizer's param groups (lr, weight decay, betas, eps) is finite."""
+    values = [v for opt in optimizers for group in opt.param_groups for k, v in group.items()
+              if k != "params"]
+    numbers = [x for v in values for x in (v if isinstance(v, tuple | list) else (v,))
+               if isinstance(x, float | int) and not isinstance(x, bool)]
+    return all(math.isfinite(x) for x in numbers)
+
+
+def check_weights(model: torch.nn.Module) -> None:
+    """Raise NonFiniteWeights naming the parameters holding a NaN or an infinity. One fused
+    L2-norm pass over the weights (~0.07 s for SmolLM2-135M on 2 cores); a tensor whose norm is
+    not finite is then checked element by element, so huge but finite weights are not
+    mistaken for non-finite ones. FSDP ranks check their own shards."""
+    named = [(n, p.to_local() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()]
+    if not named:
+        return
+    norms = torch._foreach_norm([p.detach() for _, p in named])
+    suspects = [i for i, norm in enumerate(norms) if not math.isfinite(float(norm))]
+    names = [named[i][0] for i in suspects if not bool(torch.isfinite(named[i][1]).all())]
+    if names:
+        raise NonFiniteWeights(
+            f"the optimizer step left {len(names)} weight tensors non-finite (e.g. {names[:3]}) "
+            "although its loss, gradients and settings were finite: a bug or a hardware fault "
+            "(please report it). Those weights were neither saved nor sent to the engine")
 
 
 class BadStepGuard:

@@ -25,6 +25,7 @@ from qarl.algo import (
 from qarl.algo.diagnostics import error_token_metrics, mismatch_metrics, routing_disagreement
 from qarl.config import AlgoSection, TrainSection
 from qarl.tasks import Example, RewardResult, Task
+from qarl.train.guards import check_weights, settings_finite
 from qarl.train.learner import aligned_logprobs, response_logprobs
 from qarl.train.optim import learning_rate, set_learning_rate
 from qarl.train.setup import Data, Policy
@@ -97,7 +98,8 @@ def reward_metrics(result: RewardResult) -> dict[str, float]:
 def compute_advantages(rewards: list[float | None], batch: RolloutBatch, algo: AlgoSection,
                        group_size: int) -> tuple[Tensor, Tensor, dict[str, float]]:
     """Advantages [N] and the rows that take part in the update ([N] bool)."""
-    values = torch.tensor([float("nan") if r is None else r for r in rewards])  # [N]
+    values = torch.tensor([float("nan") if r is None else r for r in rewards],
+                          dtype=torch.float64)  # [N] float64: group statistics in float64
     if algo.overlong is not None:
         values = values + overlong_penalty(batch.response_lengths, algo.overlong.l_max,
                                            algo.overlong.l_cache)
@@ -217,11 +219,13 @@ def accumulate_gradients(learner, exp: Experience, exact: Tensor, algo: AlgoSect
 def optimizer_step(learner, optimizers: list[torch.optim.Optimizer], grad_clip: float,
                    loss_finite: bool = True) -> tuple[float, str]:
     """Clip, step and clear the gradients; return the gradient norm before clipping and what
-    happened: "stepped"; "nonfinite" (a loss or the gradient was not finite: no step, the
-    weights and the optimizer's moments stay as they were); "zero" (no learning signal, e.g.
-    every row masked: no step, or Adam's momentum alone would keep moving the weights)."""
+    happened: "stepped"; "nonfinite" (a loss, the gradient or a number of the optimizer's
+    settings, e.g. the learning rate, was not finite: no step, the weights and the optimizer's
+    moments stay as they were); "zero" (no learning signal, e.g. every row masked: no step, or
+    Adam's momentum alone would keep moving the weights). A step that leaves a weight
+    non-finite all the same raises NonFiniteWeights before the weights go anywhere."""
     grad_norm = clip_gradients(learner, grad_clip)
-    if not loss_finite or not math.isfinite(grad_norm):
+    if not loss_finite or not math.isfinite(grad_norm) or not settings_finite(optimizers):
         outcome = "nonfinite"
     elif grad_norm == 0:
         outcome = "zero"
@@ -229,6 +233,7 @@ def optimizer_step(learner, optimizers: list[torch.optim.Optimizer], grad_clip: 
         outcome = "stepped"
         for opt in optimizers:
             opt.step()
+        check_weights(learner)
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
     return grad_norm, outcome

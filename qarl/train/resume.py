@@ -15,10 +15,13 @@ when the run folder holds a checkpoint.
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from qarl.config import RESOLVED_NAME, ConfigError, Problem, RunConfig, load_config, parse_overrides
+from qarl.errors import UserError
 from qarl.train import checkpoint
 
 RESUME_FREE = ("train.steps", "train.micro_batch_size", "train.checkpoint_every",
@@ -52,14 +55,41 @@ def check_resumable(saved: RunConfig, config: RunConfig, folder: Path) -> None:
         raise ConfigError(problems, f"resuming {folder.parent}")
 
 
-def resume_point(config: RunConfig) -> Path | None:
-    """The checkpoint this run continues from (checked against its recipe), or None: no
-    checkpoint yet, or run.resume = false."""
+@dataclass
+class ResumePoint:
+    """Where a run starts: `checkpoint` (None: step 0) and the checkpoint folders of the run
+    that cannot be resumed, with why (`damaged`), which the run sets aside when it starts."""
+
+    run_dir: Path
+    checkpoint: Path | None
+    damaged: dict[Path, str] = field(default_factory=dict)
+    start_over: bool = False  # run.resume = false: the folder's checkpoints and metrics go
+
+    def describe(self) -> str:
+        return "; ".join(f"{f.name} ({why})" for f, why in sorted(self.damaged.items()))
+
+
+def resume_point(config: RunConfig) -> ResumePoint:
+    """Where this run starts (its checkpoint checked against its recipe). With run.resume =
+    true: the newest whole checkpoint, passing over (and naming) damaged ones; a folder whose
+    checkpoints are all damaged is refused (UserError), never started over. With run.resume =
+    false: step 0, and the run folder's checkpoints and metrics are cleared."""
     run_dir = Path(config.run.output_dir) / config.run.name
-    found = checkpoint.latest(run_dir) if config.run.resume else None
+    if not config.run.resume:
+        return ResumePoint(run_dir, None, start_over=True)
+    found, damaged = checkpoint.find(run_dir)
+    point = ResumePoint(run_dir, found, damaged)
+    if found is None and damaged:
+        raise UserError(
+            f"{run_dir} holds checkpoints, but none can be resumed: {point.describe()}. Nothing "
+            "was changed. Repair or move them away to resume from another copy, or start over "
+            "with --run.resume=false (which deletes this folder's checkpoints and metrics)")
     if found is not None:
         check_resumable(load_config(found / "config.toml"), config, found)
-    return found
+    if damaged:
+        print(f"resuming from {found}: passed over {point.describe()}; they are set aside as "
+              f"damaged_<name> in {run_dir}", file=sys.stderr)
+    return point
 
 
 def resume_config(run_dir: str | Path, overrides: Mapping[str, Any] | Sequence[str] | None = None
@@ -83,5 +113,10 @@ def resume_config(run_dir: str | Path, overrides: Mapping[str, Any] | Sequence[s
     if refused:
         raise ConfigError(refused, f"--resume {run_dir}")
     run_dir = run_dir.resolve()
+    found, damaged = checkpoint.find(run_dir)
+    if found is None and not damaged:
+        raise UserError(f"--resume {run_dir}: the run folder holds no checkpoint yet (a run "
+                        "saves one every train.checkpoint_every steps and at its end), so "
+                        "there is nothing to resume; start the run again with its recipe")
     location = {"run.output_dir": str(run_dir.parent), "run.name": run_dir.name, "run.resume": True}
     return load_config(path, {**overrides, **location})

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from qarl.config import QuantSection, RolloutSection, RunConfig, TaskSection, save_resolved
+from qarl.errors import UserError
 from qarl.model import CausalLM, load_model, load_tokenizer
 from qarl.model.tokenizer import Tokenizer
 from qarl.quant import SCHEMES, quantize_model
@@ -49,26 +50,45 @@ class PromptEncoder:
     def encode_prompts(self, examples: list[Example]) -> list[list[int]]:
         out = []
         for ex in examples:
-            key = (ex.system, ex.prompt)
-            if key not in self.cache:
-                self.cache[key] = self.encode(ex)
-            out.append(self.cache[key])
+            ids = self.template(ex)
+            if len(ids) > self.task_cfg.max_prompt_tokens:
+                raise ValueError(
+                    f"a prompt has {len(ids)} tokens after templating, over "
+                    f"task.max_prompt_tokens={self.task_cfg.max_prompt_tokens}: "
+                    f"{ex.prompt[:80]!r}; raise the limit or shorten it")
+            out.append(ids)
         return out
+
+    def template(self, example: Example) -> list[int]:
+        """The prompt's token ids after the system prompt and chat template (cached)."""
+        key = (example.system, example.prompt)
+        if key not in self.cache:
+            self.cache[key] = self.encode(example)
+        return self.cache[key]
 
     def encode(self, example: Example) -> list[int]:
         cfg = self.task_cfg
         system = example.system if example.system is not None else cfg.system_prompt
         if cfg.chat_template and self.tokenizer.hf.chat_template is not None:
-            ids = self.tokenizer.apply_chat(example.prompt, system=system, tokenize=True)
-        else:
-            text = example.prompt if system is None else f"{system}\n\n{example.prompt}"
-            ids = self.tokenizer.encode(text)
-        if len(ids) > cfg.max_prompt_tokens:
-            raise ValueError(
-                f"a prompt has {len(ids)} tokens after templating, over task.max_prompt_tokens="
-                f"{cfg.max_prompt_tokens}: {example.prompt[:80]!r}; raise the limit or shorten it"
-            )
-        return ids
+            return self.tokenizer.apply_chat(example.prompt, system=system, tokenize=True)
+        text = example.prompt if system is None else f"{system}\n\n{example.prompt}"
+        return self.tokenizer.encode(text)
+
+
+def prompt_side(config: RunConfig, tokenizer: Tokenizer) -> tuple[Task, PromptEncoder]:
+    """The run's task and its prompt encoder. A dataset's rows whose templated prompt has more
+    than task.max_prompt_tokens tokens are left out and counted as `too_long` bad rows, before
+    any step draws them; a dataset left with no training row is a UserError."""
+    task = build_task(config)
+    encoder = PromptEncoder(config.task, tokenizer, task)
+    drop_rows = getattr(task, "drop_rows", None)
+    if drop_rows is not None:
+        limit = config.task.max_prompt_tokens
+        try:
+            drop_rows(lambda ex: len(encoder.template(ex)) > limit)
+        except ValueError as err:
+            raise UserError(f"task.dataset: {err} (task.max_prompt_tokens = {limit})") from None
+    return task, encoder
 
 
 @dataclass
@@ -227,13 +247,13 @@ def report_dataset(task: Task, run_dir: Path) -> None:
 
 def build_data(config: RunConfig, tokenizer: Tokenizer, run_dir: Path) -> Data:
     """The task (its dataset report written to run_dir), reward workers and eval examples."""
-    task = build_task(config)
+    task, prompts = prompt_side(config, tokenizer)
     report_dataset(task, run_dir)
     reward_spec = config.task.reward or task.reward_spec
     rewards = RewardRunner(reward_spec, num_workers=config.task.reward_workers,
                            timeout_s=config.task.reward_timeout_s)
     eval_examples = task.examples("eval", config.eval.size, config.run.seed)
-    return Data(task, tokenizer, PromptEncoder(config.task, tokenizer, task), rewards, eval_examples)
+    return Data(task, tokenizer, prompts, rewards, eval_examples)
 
 
 def lock_run_dir(run_dir: Path) -> IO:

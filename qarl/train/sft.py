@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import shutil
+import tempfile
+from pathlib import Path
 
 import torch
 
 from qarl.config import RunConfig
 from qarl.model import CausalLM, load_model, load_tokenizer, save_model
-from qarl.paths import qarl_home
+from qarl.paths import cache_lock, qarl_home
 from qarl.train.learner import response_logprobs
+from qarl.train.signals import check_stop
 from qarl.types import RolloutBatch
 
 
@@ -54,15 +58,15 @@ def chat_end_id(tokenizer) -> int:
 
 
 def run_sft(config: RunConfig, model: CausalLM, log=print) -> CausalLM:
-    from qarl.train.setup import PromptEncoder, build_task
+    from qarl.train.setup import prompt_side
 
     tokenizer = load_tokenizer(config.model.name)
-    task = build_task(config)
-    encoder = PromptEncoder(config.task, tokenizer, task)
+    task, encoder = prompt_side(config, tokenizer)
     end_id = chat_end_id(tokenizer)
     opt = torch.optim.AdamW(model.parameters(), lr=config.sft.lr)
     model.train()
     for step in range(config.sft.steps):
+        check_stop()  # SIGTERM / SIGINT end a warm start between steps (nothing is cached)
         seed = random.Random(f"sft:{config.run.seed}:{step}").getrandbits(31)
         batch = teacher_batch(encoder, task.examples("train", config.sft.batch_size, seed), tokenizer, end_id)
         logp, _ = response_logprobs(model, batch)
@@ -85,15 +89,17 @@ def warm_start(config: RunConfig, log=print) -> CausalLM | None:
 
     folder = qarl_home() / "sft" / sft_key(config)
     dtype = DTYPES[config.model.master_dtype]
-    if (folder / "model.safetensors").exists():
-        return load_model(folder, dtype=dtype)
-    torch.manual_seed(config.run.seed)
-    model = run_sft(config, load_model(config.model.name, dtype=dtype), log)
-    tmp = folder.with_name(folder.name + ".tmp")
-    save_model(model, tmp)
-    if folder.exists():  # another process finished the same warm start first
-        shutil.rmtree(tmp)
-    else:
-        tmp.replace(folder)
+    if not (folder / "model.safetensors").exists():
+        with cache_lock(folder):  # two runs of the same warm start: one trains, one waits
+            if not (folder / "model.safetensors").exists():
+                shutil.rmtree(folder, ignore_errors=True)  # an older qarl's unfinished folder
+                torch.manual_seed(config.run.seed)
+                model = run_sft(config, load_model(config.model.name, dtype=dtype), log)
+                tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+                try:
+                    save_model(model, tmp)
+                    tmp.chmod(0o755)
+                    os.replace(tmp, folder)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
     return load_model(folder, dtype=dtype)
-

@@ -24,7 +24,8 @@ from qarl.config import RunConfig, load_config, to_toml
 from qarl.train import checkpoint
 from qarl.train.evaluate import evaluate
 from qarl.train.guards import (
-    BadStepGuard, RunStopped, TrainingAborted, is_out_of_memory, out_of_memory_message,
+    BadStepGuard, NonFiniteWeights, RunStopped, TrainingAborted, is_out_of_memory,
+    out_of_memory_message,
 )
 from qarl.train.metrics import MetricsLogger
 from qarl.train.optim import build_optimizer
@@ -34,7 +35,7 @@ from qarl.train.phases import (
 )
 from qarl.train.launch import learner_ranks
 from qarl.train.ranks import LearnerRankDied, update_on_ranks, whole_optimizer_state
-from qarl.train.resume import resume_point
+from qarl.train.resume import ResumePoint, resume_point
 from qarl.train.setup import Data, Policy, open_run, sampling_params
 from qarl.train.sft import warm_start
 from qarl.train.signals import StopRequested, check_stop, stop_on_signals
@@ -88,13 +89,13 @@ def train(recipe: str | Path | Mapping | RunConfig | None = None,
     Raises RunStopped after SIGTERM / SIGINT (a checkpoint of the finished steps saved),
     TrainingAborted when the run cannot go on (bad steps in a row, out of memory)."""
     config = load_config(recipe, overrides)  # every problem reported before any work starts
-    resume_from = resume_point(config)  # a recipe that does not fit the checkpoint fails here
-    with stop_on_signals(), open_run(config, learner=warm_start(config)) as (folder, policy, data):
+    start = resume_point(config)  # a recipe that does not fit the checkpoint fails here
+    with stop_on_signals(), open_run(config, learner=_warm_start(config)) as (folder, policy, data):
         policy.engine.stop_check = data.rewards.stop_check = check_stop
         optimizers = build_optimizer(policy.learner, config.train.optimizer, config.train.lr,
                                      config.train.weight_decay, tuple(config.train.betas))
         loop = Loop(config, folder.path, policy, data, optimizers)
-        loop.start(resume_from)
+        loop.start(start)
         try:
             with learner_ranks(config, policy, optimizers) as policy.ranks:
                 before, after = loop.run()
@@ -105,6 +106,14 @@ def train(recipe: str | Path | Mapping | RunConfig | None = None,
         summary = finish_run(folder.path, config.log, before, after)
         (folder.path / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
+
+
+def _warm_start(config: RunConfig):
+    """`warm_start`, a stop signal in it ending the run (RunStopped, nothing saved)."""
+    try:
+        return warm_start(config)
+    except StopRequested as stop:
+        raise RunStopped(stop.signum, None, Path(config.run.output_dir) / config.run.name) from None
 
 
 class Loop:
@@ -118,11 +127,18 @@ class Loop:
         self.guard = BadStepGuard(config.train.max_bad_steps)
         self.done, self.saved = 0, None  # steps finished; the newest checkpoint, if any
 
-    def start(self, resume_from: Path | None) -> None:
-        """Restore the checkpoint (weights, optimizer, RNG, metrics so far) or start over."""
-        if resume_from is None:
+    def start(self, point: ResumePoint) -> None:
+        """Restore the checkpoint (weights, optimizer, RNG, metrics so far) or start at step 0.
+        Damaged checkpoints are set aside; only run.resume = false clears the folder, and a
+        metrics file of a run that never saved a checkpoint is kept beside the new one."""
+        for folder in point.damaged:
+            checkpoint.set_aside(folder)
+        resume_from = point.checkpoint
+        if point.start_over:
             checkpoint.clear(self.run_dir)  # starting over: an old run's files must not linger
             (self.run_dir / checkpoint.METRICS).unlink(missing_ok=True)
+        elif resume_from is None:
+            checkpoint.keep_old_metrics(self.run_dir)
         else:
             state, rng = checkpoint.load(resume_from, self.policy.learner, self.optimizers)
             checkpoint.restore_metrics(resume_from, self.run_dir)
@@ -160,7 +176,7 @@ class Loop:
             if self.saved != checkpoint.step_folder(self.run_dir, self.done):
                 self.save()
             raise RunStopped(stop.signum, self.saved, self.run_dir) from None
-        except LearnerRankDied as err:
+        except (LearnerRankDied, NonFiniteWeights) as err:
             raise TrainingAborted(
                 f"step {self.done + 1}: {err}. The last checkpoint is intact ("
                 f"{self.saved or 'none yet'}): continue with qarl train --resume {self.run_dir}"

@@ -168,3 +168,27 @@ def test_tbpo_nan_mismatch_is_dropped_without_poisoning_gradients():
     assert loss.item() == pytest.approx(-math.exp(1e-4), abs=1e-12)
     assert torch.equal(logp.grad[0], torch.zeros(2, **F64))
     assert torch.isfinite(logp.grad).all() and m["band_drop_frac"].item() == 0.5
+
+
+@pytest.mark.parametrize("name", ["gspo", "tbpo"])
+def test_token_weights_act_on_a_sequence_loss_as_their_row_mean(name):
+    """A token-level correction's weights (e.g. tis_token) on a sequence loss, default
+    seq-mean-token-mean aggregation: the loss and its gradient equal those with each row's
+    weights replaced by their mean over the row's tokens (the documented choice)."""
+    g = torch.Generator().manual_seed(3)
+    N, L = 4, 6
+    old = -torch.rand(N, L, generator=g) * 2
+    logp = (old + 1e-4 * torch.randn(N, L, generator=g)).requires_grad_()
+    mask = torch.ones(N, L, dtype=torch.bool)
+    mask[1, 4:] = False
+    mask[3, 2:] = False
+    adv = torch.tensor([1.0, -0.5, 0.7, -1.2])
+    weights = torch.rand(N, L, generator=g) * 2 * mask  # [N, L], 0 off-mask
+    row_mean = (weights.sum(1) / mask.sum(1))[:, None].expand(N, L) * mask
+    grads = []
+    for w in (weights, row_mean):
+        loss, _ = LOSSES[name](logp, old, old, adv, mask, is_weights=w)
+        grads.append(torch.autograd.grad(loss, logp)[0])
+        grads.append(loss.detach())
+    assert torch.allclose(grads[1], grads[3], rtol=1e-6, atol=0)
+    assert torch.allclose(grads[0], grads[2], rtol=1e-5, atol=1e-9)

@@ -90,7 +90,8 @@ def test_derived_fields_are_resolved(base_toml, write_recipe):
 
 def test_dataset_path_is_resolved(base_toml, write_recipe, tmp_path, monkeypatch):
     """A relative dataset path is checked against the current folder and saved absolute."""
-    (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    rows = "".join(f'{{"prompt": "{a}+1", "answer": "{a + 1}"}}\n' for a in range(100))
+    (tmp_path / "rows.jsonl").write_text(rows)  # enough rows for both splits
     monkeypatch.chdir(tmp_path)
     config = load_config(write_recipe(base_toml), ["--task.name=", "--task.dataset=rows.jsonl"])
     assert config.task.dataset == str(tmp_path / "rows.jsonl")
@@ -176,7 +177,7 @@ def test_resolved_round_trip_everything(tmp_path):
         "train.lr": 1.2345678901234567e-7, "train.min_lr": 1e-300, "train.betas": [0.0, 0.95],
         "algo.overlong": {"l_max": 16, "l_cache": 4}, "algo.correction": "mis_seq",
         "algo.correction_params": {"low": 0.25, "high": 4}, "log.tensorboard": False,
-        "algo.loss_params": {"eps_high": 5e-4, "is_cap": 2}, "task.reward": "mod.sub:fn",
+        "algo.loss_params": {"eps_high": 5e-4, "is_cap": 2}, "task.reward": "qarl.tasks.addition:addition_reward",
         "quant.scheme": "w4a16-int4", "quant.options": {"group_size": 64},
         "rollout.top_p": 0.95, "run.seed": 2**40, "eval.temperature": 0.3,
     }
@@ -194,9 +195,12 @@ def test_resolved_config_keeps_its_name(tmp_path):
     assert load_config(save_resolved(config, tmp_path)).run.name == "tiny"
 
 
-def test_model_path_is_resolved(tmp_path, monkeypatch):
-    """A local model path (not a zoo name) is accepted when it exists and saved absolute."""
-    (tmp_path / "m").mkdir()
+def test_model_path_is_resolved(tmp_path, monkeypatch, tiny_dir):
+    """A local model path (not a zoo name) is accepted when it holds a model, and saved
+    absolute."""
+    import shutil
+
+    shutil.copytree(tiny_dir, tmp_path / "m")
     monkeypatch.chdir(tmp_path)
     assert load_config(None, {"model.name": "m"}).model.name == str(tmp_path / "m")
 

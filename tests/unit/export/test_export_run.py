@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from qarl.cli import main
+from qarl.errors import UserError
 from qarl.export import export_run, read_ct
 from qarl.export.run import load_master, read_run
 from qarl.quant import QWeight, export_state, quantize_model
@@ -108,9 +109,9 @@ def test_asymmetric_int4_is_refused_before_writing(run_dir, tmp_path, monkeypatc
 
 def test_bad_sources_and_targets_are_refused(run_dir, tmp_path):
     """A folder that is neither a run nor a checkpoint, and a non-empty target, are refused."""
-    with pytest.raises(FileNotFoundError, match="neither a checkpoint folder"):
+    with pytest.raises(UserError, match="neither a checkpoint folder"):
         export_run(tmp_path, tmp_path / "x", "hf")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "f").write_text("")
-    with pytest.raises(FileExistsError, match="not empty"):
+    with pytest.raises(UserError, match="not empty"):
         export_run(run_dir, tmp_path / "full", "hf")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+
+from qarl.errors import UserError
 import torch
 
 from qarl.model import load_model, save_model
@@ -93,7 +95,7 @@ def test_error_nonexistent_path_lists_zoo_names(qarl_home):
 def test_error_folder_without_config(tmp_path):
     """A folder without config.json says what a model folder must contain."""
     (tmp_path / "model.safetensors").write_bytes(b"")
-    with pytest.raises(FileNotFoundError, match=r"no config.json: a model folder must contain config.json"):
+    with pytest.raises(UserError, match=r"no config.json: a model folder must contain config.json"):
         load_model(tmp_path)
 
 
@@ -121,7 +123,7 @@ def test_error_pickle_only_folder_is_refused(tmp_path):
     """A folder with only pytorch_model.bin is refused (never unpickled), naming the file."""
     save_model(init_tiny(small_config(), seed=0), tmp_path)
     (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")
-    with pytest.raises(FileNotFoundError, match=r"pytorch_model.bin.*never unpickles"):
+    with pytest.raises(UserError, match=r"pytorch_model.bin.*never unpickles"):
         load_model(tmp_path)
 
 

@@ -37,7 +37,7 @@ def test_jsonl_with_every_kind_of_bad_row(tmp_path):
         json.dumps({"prompt": "p", "answer": "1", "system": 3}),  # 14 wrong_type (system)
     ]
     examples, report = load_dataset(_write_jsonl(tmp_path / "d.jsonl", lines), max_prompt_len=20)
-    assert report.bad == {"empty_prompt": 2, "missing_answer": 2, "too_long": 1,
+    assert report.bad == {"empty_prompt": 2, "missing_answer": 2, "not_utf8": 0, "too_long": 1,
                           "unparseable_json": 1, "wrong_type": 4}
     assert report.bad_rows == {"unparseable_json": [4], "wrong_type": [5, 6, 7, 14],
                                "empty_prompt": [8, 9], "missing_answer": [10, 11],
@@ -101,3 +101,16 @@ def test_dataset_task_splits_by_prompt_hash_and_cycles(tmp_path):
     assert not {e.prompt for e in train} & {e.prompt for e in task.examples("eval", 50, seed=0)}
     ex = train[0]
     assert task.reward(ex.prompt, task.reference_completion(ex), **ex.reward_kwargs()) == 1.0
+
+
+def test_bad_bytes_and_a_byte_order_mark(tmp_path):
+    """A line that is not UTF-8 is a counted `not_utf8` row, not a crash; a UTF-8 byte-order
+    mark before the first row is dropped (the row is kept)."""
+    path = tmp_path / "d.jsonl"
+    rows = [json.dumps(r).encode() for r in GOOD]
+    path.write_bytes(b"\xef\xbb\xbf" + rows[0] + b"\n" + b'{"prompt": "caf\xe9", "answer": "1"}\n'
+                     + b"\n".join(rows[1:]) + b"\n")
+    examples, report = load_dataset(path)
+    assert [e.prompt for e in examples] == [r["prompt"] for r in GOOD]
+    assert report.bad["not_utf8"] == 1 and report.bad_rows["not_utf8"] == [2]
+    assert [e.row for e in examples] == [1, 3, 4]

@@ -19,6 +19,9 @@ def reward(prompt, completion, behavior="ok", **fields):
         raise ZeroDivisionError("planted failure")
     if behavior == "hang":
         time.sleep(60)
+    if behavior == "slow":
+        time.sleep(2)
+        return 1.0
     if behavior == "str":
         return "high"
     if behavior == "nan":
@@ -176,3 +179,26 @@ def test_fields_travel_as_json(user_module):
             assert "not JSON values" in result.errors[0]
     with RewardRunner(f"{user_module}:reward", num_workers=1, timeout_s=5) as runner:
         assert runner.score(_calls("die", "ok", "die")).workers_replaced == 2
+
+
+def test_a_worker_whose_trainer_was_killed_ends_quietly(user_module, tmp_path):
+    """The trainer SIGKILLed while its worker is inside a call: the worker finishes the call,
+    finds the pipe closed and exits without a traceback (it prints nothing); its stderr,
+    shared with the dead trainer, closes within seconds."""
+    import subprocess
+    import sys
+
+    script = (
+        "import os, signal, sys, threading\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "from qarl.tasks import RewardRunner\n"
+        f"runner = RewardRunner({user_module + ':reward'!r}, num_workers=1, timeout_s=30)\n"
+        "threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()\n"
+        "runner.score([('p', 'abc', {'behavior': 'slow'})])\n"
+    )
+    trainer = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    start = time.monotonic()
+    err = trainer.stderr.read()  # until the worker, which shares it, is gone too
+    trainer.wait()
+    assert trainer.returncode == -9
+    assert err == "" and time.monotonic() - start < 20, err

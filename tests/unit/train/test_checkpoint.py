@@ -210,3 +210,48 @@ def test_rotation_keeps_the_newest(tmp_path, keep):
     assert names == [f"step_{s:06d}" for s in range(6 - keep, 6)]
     assert (tmp_path / "latest").read_text().strip() == "step_000005"
     assert not list(tmp_path.glob(".tmp_*")) and not list(tmp_path.glob(".trash_*"))
+
+
+
+def _damage(folder, how: str) -> None:
+    if how == "missing":
+        (folder / "rng.safetensors").unlink()
+    elif how == "cut":
+        weights = folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size - 7])
+    elif how == "json":
+        (folder / "state.json").write_text("{not json")
+    else:
+        (folder / "config.toml").write_text("[train\n")
+
+
+@pytest.mark.parametrize("how, says", [("missing", "missing rng.safetensors"),
+                                       ("cut", "is cut short"), ("json", "state.json"),
+                                       ("toml", "config.toml does not parse")])
+def test_find_names_a_damaged_checkpoint_and_falls_back(tmp_path, how, says):
+    """`find` passes over a checkpoint that is not whole (a file missing, the weights cut
+    short, a state.json or config.toml that does not parse) even when `latest` names it,
+    returns the newest whole one and says why the other was passed over; `set_aside` moves it
+    out of what saves clean up, so the next save leaves it in place."""
+    model, opts = _model_and_optimizer()
+    for step in (1, 2):
+        _save(tmp_path, step, model, opts, keep=3)
+    config = tmp_path / "step_000001" / "config.toml"
+    config.write_text('[train]\nsteps = 2\n')  # a config.toml that parses, as qarl writes
+    (tmp_path / "step_000002" / "config.toml").write_text('[train]\nsteps = 2\n')
+    _damage(tmp_path / "step_000002", how)
+    found, damaged = checkpoint.find(tmp_path)
+    assert found == tmp_path / "step_000001"
+    assert list(damaged) == [tmp_path / "step_000002"] and says in damaged[tmp_path / "step_000002"]
+    kept = checkpoint.set_aside(tmp_path / "step_000002")
+    _save(tmp_path, 2, model, opts, keep=1)
+    assert kept.name == "damaged_step_000002" and kept.is_dir()
+    assert checkpoint.find(tmp_path) == (tmp_path / "step_000002", {})
+
+
+def test_a_whole_checkpoint_has_no_problem(tmp_path):
+    """What `save` writes is whole for `problem`."""
+    model, opts = _model_and_optimizer()
+    folder = checkpoint.save(tmp_path, 3, model, opts, {"bad_steps": 0}, checkpoint.capture_rng(),
+                             "[train]\nsteps = 3\n", keep=1)
+    assert checkpoint.problem(folder) is None

@@ -11,9 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from qarl.config import ConfigError, load_config, save_resolved
+from qarl.config import ConfigError, load_config, save_resolved, to_toml
+from qarl.errors import UserError
+from qarl.train import checkpoint
 from qarl.train.guards import (
-    BadStepGuard, RunStopped, TrainingAborted, is_out_of_memory, out_of_memory_message,
+    BadStepGuard, NonFiniteWeights, RunStopped, TrainingAborted, check_weights,
+    is_out_of_memory, out_of_memory_message,
 )
 from qarl.train.phases import optimizer_step
 from qarl.train.resume import check_resumable, resume_config
@@ -52,6 +55,43 @@ def test_a_nonfinite_update_leaves_weights_and_optimizer_untouched(plant):
     assert before[1].keys() == after[1].keys()
     assert all(torch.equal(before[1][k], after[1][k]) for k in before[1])
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("setting, value", [("lr", float("inf")), ("weight_decay", float("nan")),
+                                            ("betas", (0.9, float("inf")))])
+def test_a_nonfinite_optimizer_setting_skips_the_step(setting, value):
+    """A non-finite number among the optimizer's settings (the learning rate a schedule sets,
+    weight decay, betas): the step is skipped like a non-finite gradient, weights and Adam
+    state bit-identical."""
+    model, opts = _stepped_model()
+    before = _snapshot(model, opts)
+    opts[0].param_groups[0][setting] = value
+    model(torch.randn(2, 4)).sum().backward()
+    assert optimizer_step(model, opts, grad_clip=1.0)[1] == "nonfinite"
+    after = _snapshot(model, opts)
+    assert all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
+    assert all(torch.equal(before[1][k], after[1][k]) for k in before[1])
+
+
+def test_weights_left_nonfinite_by_a_step_stop_the_run(monkeypatch):
+    """An optimizer step that leaves a weight non-finite with finite inputs (a planted fault)
+    raises NonFiniteWeights naming the tensor, before the weights go anywhere; huge but finite
+    weights (whose L2 norm overflows) pass."""
+    model, opts = _stepped_model()
+    real_step = opts[0].step
+
+    def faulty_step(*args, **kwargs):
+        real_step(*args, **kwargs)
+        with torch.no_grad():
+            model.bias[1] = float("nan")
+
+    monkeypatch.setattr(opts[0], "step", faulty_step)
+    model(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(NonFiniteWeights, match=r"1 weight tensors non-finite \(e.g. \['bias'\]\)"):
+        optimizer_step(model, opts, grad_clip=1.0)
+    with torch.no_grad():
+        model.bias.fill_(3e38)  # finite; the norm of three of them overflows float32
+    check_weights(model)
 
 
 def test_zero_and_finite_gradients():
@@ -135,6 +175,11 @@ def test_resume_config_reads_the_run_folder_wherever_it_is(tmp_path):
     the folder was moved), and refuses overrides that would change the run."""
     original = load_config("tiny", {"run.output_dir": "elsewhere"})
     save_resolved(original, tmp_path / "moved")
+    with pytest.raises(UserError, match="holds no checkpoint yet.*nothing to resume"):
+        resume_config(tmp_path / "moved")
+    model = torch.nn.Linear(2, 2)
+    checkpoint.save(tmp_path / "moved", 1, model, [torch.optim.AdamW(model.parameters())],
+                    {"bad_steps": 0}, checkpoint.capture_rng(), to_toml(original), keep=1)
     config = resume_config(tmp_path / "moved", ["--train.steps=30"])
     assert (config.run.output_dir, config.run.name) == (str(tmp_path), "moved")
     assert config.train.steps == 30 and config.run.resume

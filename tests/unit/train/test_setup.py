@@ -42,3 +42,32 @@ def test_identity_scheme_leaves_both_sides_plain(tiny):
     learner = quantize_learner(engine_copy(tiny, quant), quant)
     assert quant_layers(engine) == quant_layers(learner) == {}
     assert any(type(m) is nn.Linear for m in learner.modules())
+
+
+def test_prompts_over_the_token_limit_are_counted_at_load(tmp_path, tiny_dir):
+    """A dataset prompt whose templated tokens exceed task.max_prompt_tokens (in characters it
+    passes the file check) is left out when the run's data is built and counted as a
+    `too_long` bad row with its line number; a file left with no training row is refused
+    naming the limit."""
+    import json
+
+    from qarl.config import load_config
+    from qarl.errors import UserError
+    from qarl.model import load_tokenizer
+    from qarl.train.setup import prompt_side
+
+    rows = [{"prompt": f"{a} + {a} =", "answer": str(2 * a)} for a in range(60)]
+    rows[5]["prompt"] = "1 + " * 200 + "1 ="  # 800 characters, ~600 tokens
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = {"model.name": str(tiny_dir), "task.name": None, "task.options": {},
+                 "task.dataset": str(path), "task.max_prompt_tokens": 64}
+    config = load_config("tiny", overrides)
+    task, encoder = prompt_side(config, load_tokenizer(tiny_dir))
+    assert task.report.bad["too_long"] == 1 and task.report.bad_rows["too_long"] == [6]
+    assert task.report.kept == 59
+    drawn = task.examples("train", 200, seed=0) + task.examples("eval", 50, seed=0)
+    assert all(len(ids) <= 64 for ids in encoder.encode_prompts(drawn))
+    with pytest.raises(UserError, match="no usable rows left.*max_prompt_tokens = 4"):
+        prompt_side(load_config("tiny", {**overrides, "task.max_prompt_tokens": 4}),
+                    load_tokenizer(tiny_dir))

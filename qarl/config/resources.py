@@ -1,0 +1,175 @@
+"""Checks of what a recipe points at and of values only their owners can judge: the model
+folder (config, tokenizer, weight headers), the dataset file and its splits, the reward
+function, the scheme's and the task's option values, the run folder, and non-finite numbers.
+
+They read (headers, the dataset, a reward module's source) but never write, and run with the
+other checks when the recipe loads, so every problem is reported at once, before any work and
+before the run folder is touched. Each guards itself: a name the name checks already refuse
+is not checked again here.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import math
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from qarl.config.errors import Problem
+from qarl.model import ZOO
+from qarl.model.check import model_problems
+from qarl.quant import SCHEMES, make_scheme, scheme_options
+from qarl.tasks import TASKS, make_task, task_options
+
+
+def finite_numbers(sections: Mapping[str, Any]) -> list[Problem]:
+    """Every number in the recipe is finite (inf passes range checks: lr = inf would poison the
+    weights; nan fails them)."""
+    problems = []
+
+    def walk(path: str, value: Any) -> None:
+        if isinstance(value, float) and not math.isfinite(value):
+            problems.append(Problem(path, f"is {value}; a recipe number must be finite"))
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                walk(f"{path}.{key}", item)
+        elif isinstance(value, list | tuple):
+            for i, item in enumerate(value):
+                walk(f"{path}[{i}]", item)
+
+    for name, section in sections.items():
+        walk(name, section.model_dump() if section is not None else None)
+    return problems
+
+
+def model_loads(model) -> list[Problem]:
+    """A model path holds a loadable model: config.json of a supported family, tokenizer
+    files, whole safetensors weights (headers checked, no data read); or a readable .gguf."""
+    if model.name in ZOO and not Path(model.name).exists():
+        return []  # qarl prepares its zoo models itself
+    if not Path(model.name).exists():
+        return []  # model_exists says so
+    return [Problem("model.name", text) for text in model_problems(Path(model.name))]
+
+
+def scheme_options_valid(quant) -> list[Problem]:
+    """quant.options hold values the scheme accepts (e.g. group_size in its list)."""
+    if (quant.scheme not in SCHEMES or SCHEMES[quant.scheme].is_identity
+            or set(quant.options) - set(scheme_options(quant.scheme))):
+        return []  # scheme_exists names the unknown scheme or options
+    try:
+        make_scheme(quant.scheme, **quant.options)
+    except (ValueError, TypeError) as err:
+        return [Problem("quant.options", str(err))]
+    return []
+
+
+def task_loads(task, eval) -> list[Problem]:
+    """The task builds with its options (values in range); a dataset file has usable rows in
+    its train split and, when eval.size > 0, in its eval split."""
+    named = "dataset" if task.dataset is not None else task.name
+    if named not in TASKS or set(task.options) - set(task_options(named)):
+        return []  # one_task_source names the unknown task or options
+    if task.dataset is not None:
+        if not Path(task.dataset).is_file():
+            return []  # one_task_source says so
+        build: Callable[[], Any] = lambda: make_task("dataset", path=task.dataset, **task.options)
+        where = "task.dataset"
+    else:
+        build, where = lambda: make_task(task.name, **task.options), "task.options"
+    try:
+        built = build()
+    except (ValueError, TypeError, OSError) as err:
+        return [Problem(where, str(err))]
+    split_size = getattr(built, "split_size", None)
+    if split_size is None:
+        return []
+    problems = []
+    for split, needed in (("train", True), ("eval", eval.size and eval.size > 0)):
+        if needed and split_size(split) == 0:
+            problems.append(Problem(where, f"the {split} split of {task.dataset} is empty "
+                                           f"({built.report.summary()}); give "
+                                           "task.options.eval_path, or an eval_fraction that "
+                                           "leaves rows in both splits"))
+    return problems
+
+
+def reward_loads(task) -> list[Problem]:
+    """A 'module:function' reward names a module that exists and, where its source can be
+    read without running it, defines the function at its top level."""
+    if task.reward is None or ":" not in task.reward:
+        return []
+    module, _, attr = task.reward.partition(":")
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as err:  # a parent package that fails to import
+        return [Problem("task.reward", f"{task.reward!r}: cannot look up module {module!r} "
+                                       f"({err}); check the name and sys.path / PYTHONPATH")]
+    if spec is None:
+        return [Problem("task.reward", f"{task.reward!r}: module {module!r} is not found from "
+                                       f"{os.getcwd()}; check the name and that its folder is on "
+                                       "sys.path / PYTHONPATH, or install its package")]
+    name = attr.split(".")[0]
+    defined = _top_level_names(spec.origin)
+    if defined is not None and name not in defined:
+        return [Problem("task.reward", f"{task.reward!r}: {spec.origin} defines no {name!r} at "
+                                       f"its top level; names there: {sorted(defined)[:20]}")]
+    return []
+
+
+def _top_level_names(origin: str | None) -> set[str] | None:
+    """Names a Python source file binds at its top level; None when that cannot be told
+    without running it (no source, a syntax error the import will report, a star import)."""
+    if origin is None or not origin.endswith(".py"):
+        return None
+    try:
+        tree = ast.parse(Path(origin).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return None
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            if any(a.name == "*" for a in node.names):
+                return None
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.If | ast.Try | ast.With | ast.For | ast.While):
+            return None  # names bound conditionally: only running it would tell
+    return names
+
+
+def run_folder_writable(run) -> list[Problem]:
+    """The run folder (run.output_dir / run.name) is a folder qarl can create or write: no
+    file in its way, on a disk that takes writes."""
+    if run.name is None:
+        return []
+    folder = Path(run.output_dir) / run.name
+    for path in (folder, *folder.parents):
+        if path.exists():
+            break
+    if not path.is_dir():
+        return [Problem("run.output_dir", f"{path} is a file, so the run folder {folder} cannot "
+                                          "be created there; choose another run.output_dir")]
+    if not os.access(path, os.W_OK | os.X_OK):
+        return [Problem("run.output_dir", f"{path} cannot be written (a read-only disk, or "
+                                          f"no permission), so the run folder {folder} cannot be "
+                                          "made or updated; choose another run.output_dir")]
+    return []
+
+
+# (sections it reads, check), run after checks.CHECKS; "*" = every section
+RESOURCE_CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
+    (("*",), finite_numbers),
+    (("run",), run_folder_writable),
+    (("model",), model_loads),
+    (("quant",), scheme_options_valid),
+    (("task", "eval"), task_loads),
+    (("task",), reward_loads),
+]

@@ -1,0 +1,239 @@
+"""Faults a new user hits (docs/training.md, "Reliability"): every user error is one clean
+message with exit status 2 and nothing written to the run folder; a resume never deletes what
+it cannot read; a planted infinite learning rate is caught; races between qarl processes and
+stop signals in the warm start end well. `tiny`, in process where possible (`qarl.cli.main`),
+in subprocesses where processes race or get signals."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from qarl.cli import main
+from qarl.paths import qarl_home
+from qarl.train.trainer import train
+
+HERE = Path(__file__).resolve().parent
+SMALL = {"train.steps": 2, "rollout.batch_size": 8, "train.micro_batch_size": 8,
+         "eval.size": 8, "eval.full_precision": False, "log.plot": False,
+         "train.checkpoint_every": 1, "train.keep_checkpoints": 4}
+
+
+def _overrides(out: Path, **extra) -> list[str]:
+    values = {**SMALL, "run.output_dir": str(out), **extra}
+    return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
+
+
+def _refused(capsys, *argv: str) -> str:
+    """Run `qarl ARGV` in process: it must exit with status 2 and print one message, no
+    traceback. Returns what it printed on stderr."""
+    code = main(list(argv))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and err.strip(), err
+    return err
+
+
+# ---- user errors: one clean message, exit 2, nothing written --------------------------
+
+
+@pytest.fixture
+def bad_inputs(tmp_path, tiny_dir):
+    """Broken versions of what a user points qarl at, each in its own place."""
+    empty = tmp_path / "not_a_model"
+    empty.mkdir()
+    cut = tmp_path / "cut_model"
+    shutil.copytree(tiny_dir, cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    gguf = tmp_path / "garbage.gguf"
+    gguf.write_bytes(b"this is no gguf file" * 10)
+    junk = tmp_path / "junk.jsonl"
+    junk.write_text('{"prompt": ""}\nnot json\n')
+    no_eval = tmp_path / "no_eval.jsonl"  # by the prompts' hashes, all 40 land in train
+    no_eval.write_text("".join(f'{{"prompt": "{a}+1", "answer": "{a + 1}"}}\n' for a in range(40)))
+    rewards = tmp_path / "my_rewards.py"
+    rewards.write_text("def exact(prompt, completion, answer=None, **fields):\n    return 1.0\n")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    return {"empty": empty, "cut": cut, "gguf": gguf, "junk": junk, "no_eval": no_eval,
+            "rewards": rewards, "file": a_file}
+
+
+CASES = {  # name -> (extra overrides, what the message must say)
+    "model folder that is not a model": ({"model.name": "{empty}"}, "has no config.json"),
+    "model.safetensors cut short": ({"model.name": "{cut}"}, "model.safetensors is cut short"),
+    "garbage gguf": ({"model.name": "{gguf}"}, "garbage.gguf is not a GGUF file"),
+    "scheme option value": ({"quant.scheme": "w4a16-int4", "quant.options": "{{group_size = 7}}"},
+                            "group_size=7; valid: [32, 64, 128]"),
+    "task option out of range": ({"task.options": "{{digits = 99}}"}, "digits must be an integer"),
+    "dataset with no usable row": ({"task.name": "", "task.options": "", "task.dataset": "{junk}"},
+                                   "no usable rows in dataset"),
+    "dataset with no eval split": ({"task.name": "", "task.options": "", "task.dataset": "{no_eval}"},
+                                   "the eval split of"),
+    "reward module missing": ({"task.reward": "no_such_module_q:fn"}, "is not found"),
+    "reward function missing": ({"task.reward": "my_rewards:missing"},
+                                "defines no 'missing' at its top level"),
+    "run folder under a file": ({"run.output_dir": "{file}/runs"}, "a_file is a file"),
+    "infinite learning rate": ({"train.lr": "inf"}, "train.lr: is inf"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_user_errors_are_one_message_before_any_work(case, bad_inputs, tmp_path, capsys,
+                                                     monkeypatch):
+    """Each user error found after parsing the recipe (a model, dataset, reward, option value
+    or run folder that cannot work) ends `qarl train` with its file, key or value named, exit
+    status 2, no traceback, before the warm start and with no run folder written."""
+    monkeypatch.syspath_prepend(str(tmp_path))  # where my_rewards.py lives
+    extra, expected = CASES[case]
+    extra = {k: v.format(**bad_inputs) for k, v in extra.items()}
+    out, sft = tmp_path / "runs", qarl_home() / "sft"
+    cached = set(sft.iterdir()) if sft.is_dir() else set()
+    err = _refused(capsys, "train", "tiny", *_overrides(out, **extra), "--sft.steps=7")
+    assert expected in err
+    assert not out.exists()
+    assert (set(sft.iterdir()) if sft.is_dir() else set()) == cached  # no warm start ran
+
+
+def test_read_only_run_folder_is_refused(tmp_path, capsys, monkeypatch):
+    """A run folder on a disk that takes no writes is refused at load, naming the folder."""
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if str(path) == str(tmp_path)
+                        else real_access(path, mode))
+    err = _refused(capsys, "train", "tiny", *_overrides(tmp_path))
+    assert f"{tmp_path} cannot be written" in err
+
+
+def test_other_commands_refuse_cleanly(tmp_path, capsys):
+    """A recipe that is not UTF-8, `qarl sft` with a misspelled key, `qarl export` into a
+    file: one message each, exit status 2."""
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes(b"[train]\nsteps = 1\nlr = 1e-5\n# caf\xe9\n")
+    assert "not UTF-8 text (byte 0xe9" in _refused(capsys, "train", str(latin1))
+    assert "did you mean 'steps'" in _refused(capsys, "sft", "tiny", "--sft.stpes=3")
+    (tmp_path / "out_file").write_text("x")
+    err = _refused(capsys, "export", str(tmp_path), str(tmp_path / "out_file"), "--format", "hf")
+    assert "out_file is a file" in err
+
+
+# ---- resume never deletes a run ---------------------------------------------------------
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
+
+
+def test_resume_on_damaged_checkpoints_loses_nothing(tmp_path, capsys):
+    """A run with 2 checkpoints: with the weights of the newest cut short, `--resume` names it,
+    sets it aside (damaged_step_000002) and resumes from step 1, ending at step 2 like an
+    uninterrupted run; with every checkpoint damaged (a file missing from each) both
+    `--resume` and the recipe again refuse with exit 2 and leave every file as it was."""
+    run = tmp_path / "tiny"
+    train("tiny", {**SMALL, "run.output_dir": str(tmp_path)})
+    reference = (run / "step_000002" / "model.safetensors").read_bytes()
+    weights = run / "step_000002" / "model.safetensors"
+    half = weights.stat().st_size // 2
+    weights.write_bytes(weights.read_bytes()[:half])
+    assert main(["train", "--resume", str(run)]) == 0
+    err = capsys.readouterr().err
+    assert "passed over step_000002" in err and "cut short" in err
+    assert (run / "damaged_step_000002" / "model.safetensors").stat().st_size == half
+    assert (run / "step_000002" / "model.safetensors").read_bytes() == reference
+
+    for folder in run.glob("step_*"):
+        (folder / "optimizer.safetensors").unlink()
+    before = _tree(run)
+    err = _refused(capsys, "train", "--resume", str(run))
+    assert "none can be resumed" in err and "missing optimizer.safetensors" in err
+    err = _refused(capsys, "train", "tiny", *_overrides(tmp_path))
+    assert "Nothing was changed" in err
+    assert _tree(run) == before
+
+
+def test_resume_of_a_folder_without_checkpoints_is_an_error(tmp_path, capsys):
+    """`--resume` on a run folder that never saved a checkpoint refuses (exit 2): it does
+    not start a run over."""
+    from qarl.config import load_config, save_resolved
+
+    save_resolved(load_config("tiny", {"run.output_dir": str(tmp_path)}), tmp_path / "tiny")
+    assert "nothing to resume" in _refused(capsys, "train", "--resume", str(tmp_path / "tiny"))
+
+
+def test_a_planted_infinite_learning_rate_skips_the_step(tmp_path, monkeypatch):
+    """An lr the schedule turns infinite (a planted bug: the recipe refuses inf) skips the
+    step like a non-finite loss: guard/nonfinite = 1, weights and optimizer state untouched,
+    and the run goes on; the final weights are finite."""
+    import qarl.train.phases as phases
+    from qarl.report import read_metrics
+
+    real = phases.learning_rate
+    monkeypatch.setattr(phases, "learning_rate",
+                        lambda step, *a: float("inf") if step == 1 else real(step, *a))
+    train("tiny", {**SMALL, "run.output_dir": str(tmp_path), "train.steps": 3})
+    rows = [r for r in read_metrics(tmp_path / "tiny" / "metrics.jsonl") if "guard/nonfinite" in r]
+    assert [r["guard/nonfinite"] for r in rows] == [0.0, 1.0, 0.0]
+    from safetensors.torch import load_file
+
+    step1 = load_file(tmp_path / "tiny" / "step_000001" / "model.safetensors")
+    step2 = load_file(tmp_path / "tiny" / "step_000002" / "model.safetensors")
+    assert all(torch.equal(step1[k], step2[k]) for k in step1)
+    final = load_file(tmp_path / "tiny" / "step_000003" / "model.safetensors")
+    assert all(bool(torch.isfinite(v).all()) for v in final.values())
+
+
+# ---- processes that race, signals in the warm start -------------------------------------
+
+
+def _qarl(*argv: str, env: dict, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "qarl.cli", *argv], env={**os.environ, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_two_first_runs_on_an_empty_qarl_home_both_finish(tmp_path):
+    """Two `qarl sft tiny` started together on an empty $QARL_HOME (both must prepare the tiny
+    model, then run the same warm start): both finish with exit 0 and print the same cache
+    folder, which holds one complete warm start; no temporary folder is left behind."""
+    env = {"QARL_HOME": str(tmp_path / "home")}
+    runs = [_qarl("sft", "tiny", "--sft.steps=3", env=env) for _ in range(2)]
+    outputs = [run.communicate(timeout=600) for run in runs]
+    for run, (out, err) in zip(runs, outputs):
+        assert run.returncode == 0, err
+    folders = [out.strip().splitlines()[-1] for out, _ in outputs]
+    assert folders[0] == folders[1] and (Path(folders[0]) / "model.safetensors").is_file()
+    leftovers = [p.name for p in (tmp_path / "home").rglob(".*") if p.is_dir()]
+    assert leftovers == [], leftovers
+
+
+def test_sigterm_in_the_warm_start_stops_within_seconds(tmp_path, tiny_dir):
+    """SIGTERM during a long warm-start SFT ends the run within 5 s, exit status 143, with a
+    message saying nothing was saved; no run folder, no SFT cache entry is left."""
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    shutil.copytree(tiny_dir, home / "models" / "tiny")
+    (home / "models" / "tiny" / "qarl_zoo.json").write_text('{"name": "tiny", "family": "qwen3"}\n')
+    run = _qarl("train", "tiny", *_overrides(tmp_path / "runs"), "--sft.steps=100000",
+                env={"QARL_HOME": str(home)})
+    deadline = time.monotonic() + 120
+    while not (home / "sft").is_dir() or not any((home / "sft").glob(".*.lock")):
+        assert run.poll() is None, run.communicate()[1]
+        assert time.monotonic() < deadline, "the warm start did not begin"
+        time.sleep(0.05)
+    time.sleep(1.0)  # inside the SFT loop (the lock is taken just before it)
+    start = time.monotonic()
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 143, err
+    assert time.monotonic() - start < 5
+    assert "stopped before the first RL step" in err and "Traceback" not in err
+    assert [p.name for p in (home / "sft").iterdir() if not p.name.startswith(".")] == []
+    assert not (tmp_path / "runs").exists()

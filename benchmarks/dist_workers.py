@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import tempfile
 import time
 
@@ -30,8 +29,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from qarl.config import load_config
-from qarl.train.optim import build_optimizer
-from qarl.train.launch import learner_ranks
+from qarl.native.isa import machine
+from qarl.train.follow import FsdpLearner, learner_on_ranks
 from qarl.train.setup import open_run
 from qarl.train.sft import warm_start
 from qarl.train.trainer import rl_step
@@ -47,29 +46,30 @@ def measure(workers: int, ranks: int, placement: str, strategy: str, steps: int,
     learner = warm_start(config)
     start = time.perf_counter()
     with open_run(config, learner=learner) as (_, policy, data):
-        optimizers = build_optimizer(policy.learner, "adamw", config.train.lr)
-        with learner_ranks(config, policy, optimizers) as policy.ranks:
+        with learner_on_ranks(config, policy.learner) as policy.learner:
             policy.sync.push()
             setup_s = time.perf_counter() - start
-            rl_step(policy, data, optimizers, config, step=0)  # warm-up: plans, first pushes
+            rl_step(policy, data, config, step=0)  # warm-up: plans, first pushes
             rows = []
             for step in range(1, steps + 1):
                 began = time.perf_counter()
-                metrics = rl_step(policy, data, optimizers, config, step)
+                metrics = rl_step(policy, data, config, step)
                 rows.append({"step_s": time.perf_counter() - began,
                              **{k: v for k, v in metrics.items() if k.startswith("time/")}})
-            held = training_state_mb(policy, optimizers)
+            held = training_state_mb(policy.learner)
     mean = {k: round(sum(r[k] for r in rows) / len(rows), 3) for k in rows[0]}
     return {"rollout_workers": workers, "learner_ranks": ranks, "placement": placement,
             "strategy": strategy, "setup_s": round(setup_s, 2), **mean, **held}
 
 
-def training_state_mb(policy, optimizers) -> dict[str, float]:
+def training_state_mb(learner) -> dict[str, float]:
     """MiB rank 0 holds of the trainable weights (its shards under FSDP) and of the optimizer
     state, between steps (gradients are freed after each step); under FSDP rank 0 also holds
     its whole learner's weights (`whole_weights_mb`) for replay, sync and checkpoints."""
-    sharded = policy.ranks.sharded if policy.ranks is not None else None
-    model, opts = (sharded.model, sharded.optimizers) if sharded else (policy.learner, optimizers)
+    inner = getattr(learner, "inner", learner)  # rank 0's LeadLearner wraps the rank's learner
+    sharded = inner.sharded if isinstance(inner, FsdpLearner) else None
+    model, opts = (sharded.model, sharded.optimizers) if sharded else (learner.model,
+                                                                       learner.optimizers)
 
     def mb(tensors) -> float:
         local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
@@ -79,7 +79,7 @@ def training_state_mb(policy, optimizers) -> dict[str, float]:
              if torch.is_tensor(v)]
     held = {"rank0_weights_mb": mb(model.parameters()), "rank0_optimizer_mb": mb(state)}
     if sharded:
-        held["whole_weights_mb"] = mb(policy.learner.parameters())
+        held["whole_weights_mb"] = mb(learner.model.parameters())
     return held
 
 
@@ -104,8 +104,7 @@ def main() -> None:
         results = [measure(n, args.ranks, placement, strategy, args.steps, out)
                    for n in args.workers for placement in args.placement
                    for strategy in args.strategy]
-    print(json.dumps({"machine": platform.processor() or platform.machine(),
-                      "cpus": os.cpu_count(), "ray_cpus": args.cpus, "steps": args.steps,
+    print(json.dumps({"machine": machine(), "ray_cpus": args.cpus, "steps": args.steps,
                       "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                       "results": results}, indent=1))
 

@@ -33,12 +33,13 @@ def fingerprint(steps: int, seed: int, overrides: list[str]) -> dict:
     from safetensors.torch import load_file
 
     import qarl
+    from qarl.config import parse_overrides
 
     with tempfile.TemporaryDirectory() as out:
         summary = qarl.train("tiny", overrides={
             "train.steps": steps, "run.seed": seed, "run.output_dir": out, "run.name": "fp",
             "train.checkpoint_every": 0,
-            **dict(o.split("=", 1) for o in overrides),
+            **parse_overrides([f"--{o}" for o in overrides]),  # values as on the command line
         })
         run_dir = Path(out) / "fp"
         records = [_untimed(json.loads(line))

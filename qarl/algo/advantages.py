@@ -23,7 +23,7 @@ from torch import Tensor
 
 from qarl.algo.common import UnknownNameError
 
-ADVANTAGE_MODES = ("dr_grpo", "grpo")
+ADVANTAGE_MODES = ("grpo", "dr_grpo")
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from qarl.algo.common import as_valid
 from qarl.types import FINISH_LENGTH
 
 DEFAULT_POSITION_BUCKETS = (0, 16, 64, 256, 1024)
@@ -46,13 +47,9 @@ LOWPROB_THRESHOLD = 1e-3
 _NAN = float("nan")
 
 
-def _valid(mask: Tensor) -> Tensor:  # [N, L] bool
-    return mask.bool()
-
-
 def mismatch_metrics(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> dict[str, float]:
     """Learner-vs-sampler mismatch over response tokens; see the module docstring."""
-    valid = _valid(mask)  # [N, L] bool
+    valid = as_valid(mask)  # [N, L] bool
     # d = log r = old_logp − rollout_logp, in float64: (r − 1) − log r cancels badly in fp32
     d = (old_logp.double() - rollout_logp.double()).masked_fill(~valid, 0.0)  # [N, L]
     num_tokens = int(valid.sum())
@@ -99,7 +96,7 @@ def mismatch_by_position(
             f"buckets must be strictly increasing start positions beginning at 0, got "
             f"{tuple(buckets)}; e.g. {DEFAULT_POSITION_BUCKETS}"
         )
-    valid = _valid(mask)  # [N, L]
+    valid = as_valid(mask)  # [N, L]
     abs_d = (old_logp.double() - rollout_logp.double()).abs().masked_fill(~valid, 0.0)  # [N, L]
     positions = torch.arange(valid.shape[1])  # [L]
     bucket_of = torch.bucketize(positions, torch.tensor(list(buckets)), right=True) - 1  # [L]
@@ -117,7 +114,7 @@ def _ngrams(ids: Tensor, mask: Tensor, n: int) -> tuple[Tensor, Tensor]:
     Returns grams [N, L-n+1, n] int64 and inside [N, L-n+1] bool.
     """
     grams = ids.unfold(1, n, 1)  # [N, L-n+1, n]
-    inside = _valid(mask).unfold(1, n, 1).all(dim=-1)  # [N, L-n+1]
+    inside = as_valid(mask).unfold(1, n, 1).all(dim=-1)  # [N, L-n+1]
     return grams, inside
 
 
@@ -147,7 +144,7 @@ def has_repeat_run(
     k copies of an n-gram back to back are a span of k·n tokens with x[t] = x[t + n] for its
     first (k − 1)·n positions, so we look for (k − 1)·n consecutive such equalities.
     """
-    valid = _valid(mask)  # [N, L]
+    valid = as_valid(mask)  # [N, L]
     found = torch.zeros(response_ids.shape[0], dtype=torch.bool)  # [N]
     for n in range(1, max_n + 1):
         need = (min_repeats - 1) * n
@@ -176,7 +173,7 @@ def truncated(finish_reasons: Sequence[str]) -> float:
 def lowprob_tokens(logp: Tensor, mask: Tensor, threshold: float = LOWPROB_THRESHOLD) -> float:
     """Fraction of response tokens whose probability under `logp` ([N, L], the learner's
     log-probability of each sampled token) is below `threshold`."""
-    valid = _valid(mask)
+    valid = as_valid(mask)
     count = int(valid.sum())
     if count == 0:
         return _NAN
@@ -198,7 +195,7 @@ def routing_disagreement(learner: Tensor, engine: Tensor, mask: Tensor) -> dict[
     L = mask.shape[1]
     learner, engine = learner[:, -L:], engine[:, -L:]  # [N, L, layers, k]
     recorded = (learner >= 0).all(-1).all(-1) & (engine >= 0).all(-1).all(-1)  # [N, L]
-    valid = _valid(mask) & recorded
+    valid = as_valid(mask) & recorded
     num_tokens = int(valid.sum())
     if num_tokens == 0:
         return {"routing_disagree_frac": _NAN, "routing_disagree_max": _NAN}

@@ -18,7 +18,7 @@ from torch import Tensor
 from qarl.algo.aggregation import count_tokens_and_seqs
 from qarl.algo.common import Registry, as_valid
 from qarl.algo.losses_ppo import dapo_loss, dr_grpo_loss, dual_clip_loss, grpo_loss
-from qarl.algo.losses_seq import gspo_loss, tbpo_band, tbpo_loss
+from qarl.algo.losses_seq import gspo_loss, tbpo_loss
 from qarl.algo.params import keyword_defaults, validate_params
 
 LOSSES = Registry(
@@ -54,12 +54,13 @@ def global_counts(
     **params: Any,
 ) -> dict[str, Tensor]:
     """{"num_tokens": T, "num_seqs": S} (0-d float32) that loss `name` would aggregate over
-    on this whole batch: pass them to every micro-batch call for micro-batch invariance.
-    Only TBPO removes sequences itself (its trust band); the others count `mask` as is."""
+    on this whole batch: pass them to every micro-batch call for micro-batch invariance. A
+    loss that removes whole sequences itself (TBPO's trust band) says which it keeps through
+    its `kept_rows`; the others count `mask` as is."""
     full = validate_loss_params(name, params)
     valid = as_valid(mask)  # [N, L] bool
-    if name == "tbpo":
-        _, keep = tbpo_band(old_logp, rollout_logp, valid, full["band_low"], full["band_high"])
-        valid = valid & keep[:, None]
+    kept_rows = getattr(LOSSES[name], "kept_rows", None)
+    if kept_rows is not None:
+        valid = valid & kept_rows(old_logp, rollout_logp, valid, **full)[:, None]
     tokens, seqs = count_tokens_and_seqs(valid)
     return {"num_tokens": tokens, "num_seqs": seqs}

@@ -5,7 +5,8 @@ All four share one per-token objective with ratio r_t = π_θ(y_t) / π_old(y_t)
     ℓ_t = max( −r_t·A , −clip(r_t, 1−ε_l, 1+ε_h)·A )            (PPO clip)
     ℓ_t = min( ℓ_t , −c·A )   for A < 0                         (dual clip only)
 
-and differ in their clip widths and aggregation defaults. A clipped token has zero gradient:
+and differ only in their clip widths and aggregation defaults: each is a `TokenClipLoss`
+holding its defaults. A clipped token has zero gradient:
 for A > 0 once r > 1+ε_h, for A < 0 once r < 1−ε_l, and with dual clip for A < 0 once r > c.
 `rollout_logp` is unused here: mismatch between π_old and the sampler is handled by a rollout
 correction (`qarl.algo.corrections`) passed in as `is_weights` and a mask.
@@ -18,6 +19,10 @@ Common keyword arguments (every loss in `qarl.algo` takes them):
 """
 
 from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -79,110 +84,65 @@ def ppo_clip_loss(
     return loss, metrics
 
 
-def grpo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    rollout_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    aggregation: str = "seq-mean-token-mean",
-    norm_len: int | None = None,
-    is_weights: Tensor | None = None,
-    num_tokens: Tensor | float | int | None = None,
-    num_seqs: Tensor | float | int | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """GRPO (Shao et al. 2024): token PPO clip ε = 0.2, mean over tokens then sequences."""
-    check_params(
-        "grpo", eps_low=eps_low, eps_high=eps_high, aggregation=aggregation, norm_len=norm_len
-    )
-    return ppo_clip_loss(
-        logp, old_logp, rollout_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high,
-        clip_c=None, aggregation=aggregation, norm_len=norm_len, is_weights=is_weights,
-        num_tokens=num_tokens, num_seqs=num_seqs,
-    )
+@dataclass(frozen=True)
+class TokenClipLoss:
+    """One loss of the family: `ppo_clip_loss` with its own defaults (the parameters a recipe
+    may set, read from `__signature__` like any loss function's keyword-only arguments)."""
+
+    name: str
+    eps_low: float
+    eps_high: float
+    aggregation: str
+    clip_c: float | None = None  # None: no dual clip (and no clip_c parameter)
+    about: str = ""  # what the loss is, with its source
+
+    def defaults(self) -> dict[str, Any]:
+        extra = {} if self.clip_c is None else {"clip_c": self.clip_c}
+        return {"eps_low": self.eps_low, "eps_high": self.eps_high, **extra,
+                "aggregation": self.aggregation, "norm_len": None}
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        positional = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                      for n in ("logp", "old_logp", "rollout_logp", "advantages", "mask")]
+        keyword = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=v)
+                   for n, v in {**self.defaults(), "is_weights": None, "num_tokens": None,
+                                "num_seqs": None}.items()]
+        return inspect.Signature(positional + keyword)
+
+    def __call__(self, logp: Tensor, old_logp: Tensor, rollout_logp: Tensor,
+                 advantages: Tensor, mask: Tensor, *, is_weights: Tensor | None = None,
+                 num_tokens: Tensor | float | int | None = None,
+                 num_seqs: Tensor | float | int | None = None,
+                 **params: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        defaults = self.defaults()
+        unknown = sorted(set(params) - set(defaults))
+        if unknown:
+            raise TypeError(f"{self.name} got unexpected keyword arguments {unknown}; it takes "
+                            f"{sorted(defaults)}")
+        full = {**defaults, **params}
+        check_params(self.name, **full)
+        return ppo_clip_loss(logp, old_logp, rollout_logp, advantages, mask,
+                             is_weights=is_weights, num_tokens=num_tokens, num_seqs=num_seqs,
+                             **{"clip_c": None, **full})
 
 
-def dr_grpo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    rollout_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    aggregation: str = "seq-mean-token-sum-norm",
-    norm_len: int | None = None,
-    is_weights: Tensor | None = None,
-    num_tokens: Tensor | float | int | None = None,
-    num_seqs: Tensor | float | int | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Dr.GRPO (Liu et al. 2025): token sum over a constant length, no per-response length
-    normalization (pair it with `group_advantages(mode="dr_grpo")`, no std scaling)."""
-    check_params(
-        "dr_grpo", eps_low=eps_low, eps_high=eps_high, aggregation=aggregation, norm_len=norm_len
-    )
-    return ppo_clip_loss(
-        logp, old_logp, rollout_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high,
-        clip_c=None, aggregation=aggregation, norm_len=norm_len, is_weights=is_weights,
-        num_tokens=num_tokens, num_seqs=num_seqs,
-    )
+grpo_loss = TokenClipLoss(
+    "grpo", eps_low=0.2, eps_high=0.2, aggregation="seq-mean-token-mean",
+    about="GRPO (Shao et al. 2024): token PPO clip ε = 0.2, mean over tokens then sequences.")
 
+dr_grpo_loss = TokenClipLoss(
+    "dr_grpo", eps_low=0.2, eps_high=0.2, aggregation="seq-mean-token-sum-norm",
+    about="Dr.GRPO (Liu et al. 2025): token sum over a constant length, no per-response "
+            "length normalization (pair it with `group_advantages(mode=\"dr_grpo\")`, no std "
+            "scaling).")
 
-def dapo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    rollout_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    aggregation: str = "token-mean",
-    norm_len: int | None = None,
-    is_weights: Tensor | None = None,
-    num_tokens: Tensor | float | int | None = None,
-    num_seqs: Tensor | float | int | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """DAPO (Yu et al. 2025): clip-higher (0.2 / 0.28) and a token mean over the batch.
-    Dynamic sampling and overlong shaping live in `qarl.algo.advantages`."""
-    check_params(
-        "dapo", eps_low=eps_low, eps_high=eps_high, aggregation=aggregation, norm_len=norm_len
-    )
-    return ppo_clip_loss(
-        logp, old_logp, rollout_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high,
-        clip_c=None, aggregation=aggregation, norm_len=norm_len, is_weights=is_weights,
-        num_tokens=num_tokens, num_seqs=num_seqs,
-    )
+dapo_loss = TokenClipLoss(
+    "dapo", eps_low=0.2, eps_high=0.28, aggregation="token-mean",
+    about="DAPO (Yu et al. 2025): clip-higher (0.2 / 0.28) and a token mean over the batch. "
+            "Dynamic sampling and overlong shaping live in `qarl.algo.advantages`.")
 
-
-def dual_clip_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    rollout_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    clip_c: float = 3.0,
-    aggregation: str = "seq-mean-token-mean",
-    norm_len: int | None = None,
-    is_weights: Tensor | None = None,
-    num_tokens: Tensor | float | int | None = None,
-    num_seqs: Tensor | float | int | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Dual-clip PPO (Ye et al. 2020): for A < 0 the loss is also capped at −c·A, c = 3, so a
-    token whose ratio exploded cannot push without bound. Aggregated like GRPO."""
-    check_params(
-        "dual_clip", eps_low=eps_low, eps_high=eps_high, clip_c=clip_c,
-        aggregation=aggregation, norm_len=norm_len,
-    )
-    return ppo_clip_loss(
-        logp, old_logp, rollout_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high,
-        clip_c=clip_c, aggregation=aggregation, norm_len=norm_len, is_weights=is_weights,
-        num_tokens=num_tokens, num_seqs=num_seqs,
-    )
+dual_clip_loss = TokenClipLoss(
+    "dual_clip", eps_low=0.2, eps_high=0.2, aggregation="seq-mean-token-mean", clip_c=3.0,
+    about="Dual-clip PPO (Ye et al. 2020): for A < 0 the loss is also capped at −c·A, c = 3, "
+            "so a token whose ratio exploded cannot push without bound. Aggregated like GRPO.")

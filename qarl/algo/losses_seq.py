@@ -164,3 +164,13 @@ def tbpo_loss(
         **stats("mismatch_ratio", rho, has_tokens),
         **stats("mismatch_weight", w, kept),
     }
+
+
+def tbpo_kept_rows(old_logp: Tensor, rollout_logp: Tensor, valid: Tensor, *, band_low: float,
+                   band_high: float, **params) -> Tensor:  # [N] bool
+    """The rows TBPO counts: those inside its trust band (`global_counts` asks a loss that
+    drops whole rows itself for them, through the loss's `kept_rows`)."""
+    return tbpo_band(old_logp, rollout_logp, valid, band_low, band_high)[1]
+
+
+tbpo_loss.kept_rows = tbpo_kept_rows

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 ACCEPTS_OVERRIDES = True
@@ -25,16 +24,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from qarl.config import ConfigError, load_config
+    from qarl.config import load_config
+    from qarl.errors import UserError
+    from qarl.model import DTYPES
     from qarl.train.evaluate import evaluate
-    from qarl.train.setup import DTYPES, open_run
+    from qarl.train.setup import open_run
     from qarl.train.sft import warm_start
 
-    try:
-        config = load_config(args.recipe, args.overrides)
-    except ConfigError as err:
-        print(err, file=sys.stderr)
-        return 2
+    config = load_config(args.recipe, args.overrides)  # a ConfigError: exit 2
     # Its own run folder: never overwrite (or wait on the lock of) the training run's.
     config = config.model_copy(update={"run": config.run.model_copy(
         update={"name": f"{config.run.name}-eval"})})
@@ -44,9 +41,8 @@ def run(args: argparse.Namespace) -> int:
 
         weights_file = args.checkpoint / "model.safetensors"
         if not weights_file.exists():
-            print(f"no model.safetensors in {args.checkpoint}: pass a step_NNNNNN folder of a run",
-                  file=sys.stderr)
-            return 2
+            raise UserError(f"no model.safetensors in {args.checkpoint}: pass a step_NNNNNN "
+                            "folder of a run")
         learner = load_model(config.model.name, dtype=DTYPES[config.model.master_dtype])
         load_weights(args.checkpoint, learner)
     else:

@@ -1,5 +1,5 @@
 """`qarl parity [RECIPE] [--section.key=value ...] [flags]`: the learner-vs-sampler logprob
-mismatch per scheme and alignment (qarl.train.parity). With a recipe (or overrides), its
+mismatch per scheme and alignment (qarl.cli.parity_matrix). With a recipe (or overrides), its
 model and its [quant] include / exclude / options are measured, and its quant.scheme is the
 default scheme; the flags below override the recipe. A mixture-of-experts model gets each row
 without and with routing replay, with the fraction of tokens routed to other experts."""
@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from qarl.train.parity import ALIGNS, ENGINES, VLLM_ALIGNS
+from qarl.rollout import ENGINES
 
 ACCEPTS_OVERRIDES = True  # --section.key=value on the recipe, checked by qarl.config
 
@@ -31,10 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schemes", type=_names, default=None,
                         help="comma-separated schemes (default: the recipe's quant.scheme, else "
                         "all of qarl.quant.SCHEMES)")
+    served = "; ".join(f"{name}: {','.join(kind.aligns)}" for name, kind in ENGINES.items())
     parser.add_argument("--aligns", type=_names, default=None,
-                        help=f"comma-separated alignment modes (default: {','.join(ALIGNS)}; "
-                        f"with --engine vllm: {','.join(VLLM_ALIGNS)})")
-    parser.add_argument("--engine", choices=ENGINES, default="local",
+                        help=f"comma-separated alignment modes (default: those the engine "
+                        f"serves, {served})")
+    parser.add_argument("--engine", choices=list(ENGINES), default="local",
                         help="what samples the batch: qarl's local engine or vLLM (needs the "
                         "vllm package; see qarl/rollout/README.md) (default: local)")
     parser.add_argument("--prompts", type=int, default=16, help="number of prompts (default: 16)")
@@ -48,38 +49,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qarl.config import ConfigError, load_config
-    from qarl.quant import SCHEMES
-    from qarl.train.parity import arm_row, check_names, format_table, progress_line, run_arms
+    from qarl.cli.parity_matrix import arm_row, check_names, format_table, progress_line, run_arms
+    from qarl.config import load_config
+    from qarl.errors import UserError
 
     quant, model = None, args.model or "tiny"
     if args.recipe is not None or args.overrides:
-        try:
-            config = load_config(args.recipe, args.overrides)
-        except ConfigError as err:
-            print(err, file=sys.stderr)
-            return 2
+        config = load_config(args.recipe, args.overrides)  # a ConfigError: exit 2
         quant, model = config.quant, args.model or config.model.name
+    kind = ENGINES[args.engine]
     schemes = args.schemes
-    if schemes is None:
-        schemes = [quant.scheme] if quant is not None else list(SCHEMES)
-        if args.engine == "vllm" and quant is None:
-            from qarl.rollout.vllm_support import VLLM_CPU_SCHEMES
-
-            schemes = list(VLLM_CPU_SCHEMES)  # what vLLM serves everywhere
-    aligns = args.aligns or list(VLLM_ALIGNS if args.engine == "vllm" else ALIGNS)
-    try:
-        check_names(schemes, aligns, quant.options if quant is not None else None, args.engine)
-        if args.prompts < 1:
-            raise ValueError(f"qarl parity: --prompts must be >= 1, got {args.prompts}")
-        arms = run_arms(model, schemes, aligns, args.prompts, args.max_new_tokens,
-                        args.temperature, args.seed, not args.no_full_sequence, quant, args.engine)
-        rows = []
-        for arm in arms:  # one progress line per arm on stderr
-            rows.append(arm_row(arm))
-            print(progress_line(arm, rows[-1]), file=sys.stderr)
-    except (ValueError, FileNotFoundError) as err:
-        print(err, file=sys.stderr)
-        return 2
+    if schemes is None:  # the recipe's scheme, else every scheme the engine serves here
+        schemes = [quant.scheme] if quant is not None else list(kind.schemes())
+    aligns = args.aligns or list(kind.aligns)
+    check_names(schemes, aligns, quant.options if quant is not None else None, args.engine)
+    if args.prompts < 1:
+        raise UserError(f"--prompts must be >= 1, got {args.prompts}")
+    arms = run_arms(model, schemes, aligns, args.prompts, args.max_new_tokens,
+                    args.temperature, args.seed, not args.no_full_sequence, quant, args.engine)
+    rows = []
+    for arm in arms:  # one progress line per arm on stderr
+        rows.append(arm_row(arm))
+        print(progress_line(arm, rows[-1]), file=sys.stderr)
     print(json.dumps(rows, indent=1) if args.json else format_table(rows))
     return 0

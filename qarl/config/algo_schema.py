@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from qarl.algo import ADVANTAGE_MODES
 from qarl.config.section import SECTION as _SECTION
 
 
@@ -47,7 +48,7 @@ class AlgoSection(BaseModel):
         default_factory=dict,
         description="Keyword parameters of the correction (e.g. {cap = 2.0}).",
     )
-    advantage: Literal["grpo", "dr_grpo"] = Field(
+    advantage: Literal[ADVANTAGE_MODES] = Field(
         "grpo",
         description="Group advantage over the group's scorable rewards: 'grpo' = (r - mean) / "
         "(std + 1e-6) with the unbiased std, 'dr_grpo' = r - mean.",

@@ -34,7 +34,7 @@ from qarl.config.resources import RESOURCE_CHECKS
 from qarl.model import SUPPORTED_ARCHITECTURES, ZOO
 from qarl.model.config import MOE_FAMILIES
 from qarl.quant import SCHEMES, scheme_options
-from qarl.rollout.vllm_support import VLLM_CUDA_SCHEMES, dtype_problem, served_schemes
+from qarl.rollout.engines import ENGINES
 from qarl.tasks import REWARDS, TASKS, task_options
 
 DATASET_SUFFIXES = (".jsonl", ".parquet")
@@ -244,46 +244,32 @@ def model_exists(model) -> list[Problem]:
                                   f"existing path; zoo models: {', '.join(sorted(ZOO))}")]
 
 
-def vllm_engine_fits(rollout, quant) -> list[Problem]:
-    """rollout.engine = 'vllm' needs the vllm package, quant.align 'fake' or 'naive' (the
-    learner cannot run vLLM's kernels), a scheme vLLM runs on this machine (none and
-    w8a8-int8 on CPU; also w8a8-fp8, w8a8-fp8-block, w4a16-int4, w4a16-nvfp4 with CUDA) and a
-    dtype its kernels take here (`qarl.rollout.vllm_support`)."""
-    if rollout.engine != "vllm":
-        return []
+def engine_fits(model, rollout, quant) -> list[Problem]:
+    """rollout.engine's package is installed, and the engine serves quant.align (vLLM: 'fake'
+    or 'naive': the learner cannot run its kernels), quant.scheme on this machine (vLLM: none
+    and w8a8-int8 on its CPU build; also w8a8-fp8, w8a8-fp8-block, w4a16-int4, w4a16-nvfp4
+    with CUDA) and the model (vLLM: dense models only: qarl cannot sync weights into its fused
+    expert layers), in a dtype its kernels take here (qarl.rollout.ENGINES)."""
+    kind = ENGINES[rollout.engine]
     problems = []
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or spec.origin is None:  # origin None: a namespace folder, not the package
-        problems.append(Problem("rollout.engine", "'vllm' but the vllm package is not "
-                                "installed; `pip install 'qarl[vllm]'` (CPU build, its own "
-                                "environment: `make test-vllm` creates one) or use 'local'"))
-    if quant.align == "kernel":
-        problems.append(Problem("quant.align", "'kernel' runs qarl's own kernels in the "
-                                "learner, which vLLM does not run; with rollout.engine = "
-                                "'vllm' use 'fake' (same quantizer and codes as vLLM) or 'naive'"))
-    served = served_schemes()
+    if not kind.installed():
+        problems.append(Problem("rollout.engine", f"{kind.name!r} but the {kind.package} package "
+                                                  f"is not installed; {kind.install}, or use 'local'"))
+    if quant.align not in kind.aligns:
+        problems.append(Problem("quant.align", f"{quant.align!r} with rollout.engine = "
+                                f"{kind.name!r}: the learner cannot run that engine's kernels; "
+                                f"use {' or '.join(map(repr, sorted(kind.aligns)))}"))
+    served = kind.schemes()
     if quant.scheme in SCHEMES and quant.scheme not in served:
-        cuda = served == VLLM_CUDA_SCHEMES
-        where = "with CUDA" if cuda else "on CPU (vLLM's CPU build)"
-        more = "" if cuda else f"; with CUDA also {', '.join(VLLM_CUDA_SCHEMES[2:])}"
-        problems.append(Problem("quant.scheme", f"{quant.scheme!r} is not served by vLLM "
-                                f"{where}: use one of {', '.join(served)}{more}, or "
-                                "rollout.engine = 'local'"))
-    dtype = dtype_problem(rollout.vllm_dtype, quant.scheme)
-    if dtype is not None:
-        problems.append(Problem("rollout.vllm_dtype", f"'float32' with quant.scheme = "
-                                f"'{quant.scheme}': {dtype}"))
-    return problems
-
-
-def vllm_engine_is_dense(model, rollout) -> list[Problem]:
-    """rollout.engine = 'vllm' takes dense models: qarl does not push weights into vLLM's fused
-    mixture-of-experts layers."""
-    if rollout.engine != "vllm" or model_family(model.name) not in MOE_FAMILIES:
-        return []
-    return [Problem("rollout.engine", f"'vllm' with the mixture-of-experts model "
-                                      f"{short(model.name)}: qarl cannot sync weights into vLLM's "
-                                      "fused expert layers; use rollout.engine = 'local'")]
+        problems.append(Problem("quant.scheme", f"{quant.scheme!r} is not served by "
+                                f"rollout.engine = {kind.name!r} on this machine (it serves "
+                                f"{', '.join(served)}); use one of those, or rollout.engine = "
+                                "'local'"))
+    if kind.dense_only and model_family(model.name) in MOE_FAMILIES:
+        problems.append(Problem("rollout.engine", f"{kind.name!r} with the mixture-of-experts "
+                                f"model {short(model.name)}: qarl cannot sync weights into its "
+                                "fused expert layers; use rollout.engine = 'local'"))
+    return problems + [Problem(path, message) for path, message in kind.problems(rollout, quant)]
 
 
 def fsdp_is_dense(model, dist) -> list[Problem]:
@@ -371,8 +357,7 @@ CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
     (("algo", "rollout"), overlong_fits),
     (("train",), schedule_fits),
     (("model", "task", "rollout", "eval"), context_fits),
-    (("rollout", "quant"), vllm_engine_fits),
-    (("model", "rollout"), vllm_engine_is_dense),
+    (("model", "rollout", "quant"), engine_fits),
     (("log",), tensorboard_available),
     (("dist", "rollout", "train"), dist_is_possible),
     (("model", "dist"), fsdp_is_dense),

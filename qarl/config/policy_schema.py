@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator
 
 from qarl.config.section import SECTION as _SECTION
+from qarl.quant import ALIGNS
 
 
 class ModelSection(BaseModel):
@@ -47,21 +48,13 @@ class QuantSection(BaseModel):
         description="Quantization scheme of the rollout model: a name from qarl.quant.SCHEMES, "
         "e.g. 'w8a8-int8', 'w8a8-fp8', 'w4a16-int4', or 'none' (full-precision rollouts).",
     )
-    align: Literal["kernel", "fake", "naive"] = Field(
+    align: Literal[ALIGNS] = Field(
         "kernel",
         description="Learner forward: 'kernel' runs the rollout engine's low-bit kernel with a "
         "straight-through backward (QaRL), 'fake' emulates the quantizer in floating point, "
         "'naive' is the baseline without alignment (full-precision learner, quantized "
         "sampler). Has no effect when scheme = 'none': both sides then run full precision.",
     )
-
-    @field_validator("align", mode="before")
-    @classmethod
-    def _renamed_align(cls, value: Any) -> Any:
-        if value == "none":
-            raise ValueError("'none' is now called 'naive' (full-precision learner, quantized "
-                             "sampler); write align = \"naive\"")
-        return value
 
     include: list[str] | None = Field(
         None,
@@ -84,3 +77,11 @@ class QuantSection(BaseModel):
     routing_replay: bool = Field(False, description="MoE models: the learner uses the experts the "
         "engine chose for each token (its own router's probabilities weight them) in old_logp "
         "and the update (routing replay, R3). Needs a MoE model (qwen3_moe, mixtral).")
+
+    @field_validator("align", mode="before")
+    @classmethod
+    def _renamed_align(cls, value: Any) -> Any:  # recipes written before the rename
+        if value == "none":
+            raise ValueError("'none' is now called 'naive' (full-precision learner, quantized "
+                             "sampler); write align = \"naive\"")
+        return value

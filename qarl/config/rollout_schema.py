@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from qarl.config.section import SECTION as _SECTION
+from qarl.rollout.engines import ENGINES
 from qarl.rollout.vllm_support import VLLM_DTYPES
 
 
@@ -37,7 +38,7 @@ class RolloutSection(BaseModel):
         "differs from the learner's by design (mismatch that alignment cannot remove).",
     )
     top_k: int = Field(0, ge=0, description="Top-k truncation; 0 = off. Same caveat as top_p.")
-    engine: Literal["local", "vllm"] = Field("local", description="Rollout engine: 'local' "
+    engine: Literal[tuple(ENGINES)] = Field("local", description="Rollout engine: 'local' "
         "(qarl's own) or 'vllm' (vLLM in this process, fed qarl's codes in compressed-tensors "
         "layout after every step; needs quant.align 'fake' or 'naive' and `pip install "
         "'qarl[vllm]'`, see qarl/rollout/README.md).")

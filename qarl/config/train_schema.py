@@ -9,6 +9,11 @@ from pydantic import BaseModel, Field
 
 from qarl.config.section import SECTION as _SECTION
 
+# The optimizers and learning-rate schedules qarl.train.optim implements (it dispatches on
+# these names; they live here so the schema and the code hold one tuple).
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("constant", "cosine", "linear")
+
 
 class TrainSection(BaseModel):
     """Optimization: steps, batch split, optimizer, schedule, checkpoints."""
@@ -22,7 +27,7 @@ class TrainSection(BaseModel):
         description="Sequences per forward/backward pass; rollout.batch_size must be a multiple "
         "of it (groups may span micro-batches).",
     )
-    optimizer: Literal["adamw", "muon"] = Field(
+    optimizer: Literal[OPTIMIZERS] = Field(
         "adamw",
         description="'adamw', or 'muon' (torch.optim.Muon on 2-D weight matrices, AdamW on the "
         "rest).",
@@ -36,7 +41,7 @@ class TrainSection(BaseModel):
     min_lr: float = Field(
         0.0, ge=0, description="Floor of the cosine/linear decay; at most lr."
     )
-    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+    lr_schedule: Literal[SCHEDULES] = Field(
         "constant", description="Decay after warmup: to min_lr at the last step, or none."
     )
     warmup_steps: int = Field(

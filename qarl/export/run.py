@@ -34,7 +34,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 from qarl.errors import UserError
 from qarl.export.compressed_tensors import WEIGHTS_FILE, ct_state, quantization_config
-from qarl.model import CausalLM, load_model, load_tokenizer, save_model
+from qarl.model import DTYPES, CausalLM, load_model, load_tokenizer, save_model
 from qarl.model.names import state_on_disk
 from qarl.model.zoo import resolve
 from qarl.quant import SCHEMES, QWeight, export_state, quantize_model
@@ -43,7 +43,6 @@ from qarl.quant.apply import FUSED_GROUPS
 FORMATS = ("hf", "compressed-tensors")
 CONFIG_FILE = "config.toml"  # the resolved config a checkpoint was trained with
 POINTER = "latest"  # a run folder's one-line file naming its newest complete checkpoint
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 GENERATION_CONFIG = "generation_config.json"
 
 

@@ -59,6 +59,12 @@ def rope_inverse_frequencies(config: ModelConfig) -> Tensor:  # [head_dim / 2] f
     return torch.where(medium, blended, scaled)
 
 
+def positions_from_mask(mask: Tensor) -> Tensor:  # mask [N, S] bool -> [N, S] int64
+    """RoPE positions that skip left padding: row b's first real token has position 0. The
+    one rule for the engine and the learner, so both rotate every token by the same angle."""
+    return (mask.long().cumsum(dim=1) - 1).clamp_min(0)
+
+
 def rotate_half(x: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)

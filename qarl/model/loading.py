@@ -26,6 +26,8 @@ from qarl.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from qarl.model.decoder import CausalLM, rope_inverse_frequencies
 from qarl.model.names import state_in_memory, state_on_disk
 
+# master dtypes by the names recipes use (model.master_dtype)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 GGUF_MAGIC = b"GGUF"

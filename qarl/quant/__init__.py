@@ -40,7 +40,7 @@ add and remove a format.
 
 from qarl.quant.apply import describe, export_state, load_state, quant_layers, quantize_model
 from qarl.quant.kernels import batch_invariant_linear
-from qarl.quant.linear import MODES, QuantLinear
+from qarl.quant.linear import ALIGNS, MODES, QuantLinear
 from qarl.quant.qweight import QWeight
 from qarl.quant.scheme_base import run_rows
 from qarl.quant.schemes import (
@@ -48,7 +48,7 @@ from qarl.quant.schemes import (
 )
 
 __all__ = [
-    "MODES", "QWeight", "QuantLinear", "SCHEMES", "Scheme", "batch_invariant_linear",
+    "ALIGNS", "MODES", "QWeight", "QuantLinear", "SCHEMES", "Scheme", "batch_invariant_linear",
     "describe", "export_state", "load_state", "make_scheme", "quant_layers", "quantize_model",
     "register_scheme", "run_rows", "scheme_options", "unregister_scheme",
 ]

@@ -25,6 +25,9 @@ from qarl.quant.qweight import QWeight
 from qarl.quant.schemes import Scheme, make_scheme
 
 MODES = ("fake", "kernel")
+# The learner's alignment modes (recipe quant.align): a QuantLinear mode in the learner, or
+# "naive", a plain full-precision learner beside the quantized engine.
+ALIGNS = ("naive", "fake", "kernel")  # from no alignment to the exact one
 
 
 def check_mode(mode: str) -> str:

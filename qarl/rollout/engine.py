@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 from qarl.model.cache import KVCache
-from qarl.model.decoder import CausalLM
+from qarl.model.decoder import CausalLM, positions_from_mask
+from qarl.quant import load_state, quant_layers
 from qarl.rollout.plan import DecodePlan, DecodePlanner
 from qarl.rollout.routing import RoutingTable
 from qarl.rollout.sampling import row_uniforms, sample, sampler_logprobs
@@ -115,10 +116,15 @@ class LocalEngine:
         """Install new weights in place (QWeights as-is, plain tensors copied) via
         `qarl.quant.load_state`; the engine keeps using the same module objects, and the next
         call repacks whatever changed."""
-        from qarl.quant import load_state  # quant imports model only; imported on use
-
         with torch.no_grad():
             load_state(self.model, state)
+
+    def qweights(self) -> dict:
+        """The codes and scales each quantized layer decodes with (`Engine.qweights`)."""
+        return {name: layer.qweight() for name, layer in quant_layers(self.model).items()}
+
+    def close(self) -> None:
+        """Nothing to release: the engine lives in this process."""
 
     def describe(self) -> dict[str, str]:
         """What the next generate / score runs, per module name (every decoder layer, the
@@ -216,7 +222,7 @@ class LocalEngine:
         key_mask = torch.zeros(N, P + budget, dtype=torch.bool, device=device)  # [N, S]
         key_mask[:, :P] = prompt_mask
         key_mask[:, P:] = True  # response slots of a live row are always real
-        positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp_min(0)  # [N, P] pads skipped
+        positions = positions_from_mask(prompt_mask)  # [N, P] pads skipped
         next_position = positions[:, -1] + 1  # [N] RoPE position of the next fed token
 
         response = torch.full((N, budget), self.pad_token_id, dtype=torch.long, device=device)

@@ -1,16 +1,19 @@
 """`Engine`: what the trainer needs from a rollout engine, whatever runs the model.
 
-`qarl.rollout.LocalEngine` implements it in this process; another engine (e.g. one serving
-the policy from vLLM) implements the same four methods with the same promises, so the
-trainer, the evaluator and `qarl parity` work with either.
+`qarl.rollout.LocalEngine` implements it in this process, `qarl.rollout.vllm_engine.VLLMEngine`
+with vLLM, `qarl.parallel.RayEngines` over Ray actors of either: the same members with the
+same promises, so the trainer, the evaluator and `qarl parity` work with any of them
+(`qarl.rollout.engines.ENGINES` names the kinds a recipe can ask for).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
+from qarl.quant import QWeight
 from qarl.types import RolloutBatch, SamplingParams
 
 
@@ -18,6 +21,11 @@ from qarl.types import RolloutBatch, SamplingParams
 class Engine(Protocol):
     """A rollout engine: samples responses with sampler logprobs, scores given responses on
     the same path, and takes new weights from the learner."""
+
+    # Called while generating, where stopping is safe (the local engine: before every decode
+    # step); may raise to abandon the call. The trainer sets its SIGTERM / SIGINT check.
+    stop_check: Callable[[], None]
+    pad_token_id: int  # fills prompt and response padding
 
     def generate(
         self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int,
@@ -31,7 +39,7 @@ class Engine(Protocol):
         for bit; the seed is the only source of randomness (no global RNG is read or moved).
         Prompt i's response draws from a stream derived from (seed, row_offset + i) alone, so
         a batch split into shards (each called with its first row's index as row_offset)
-        samples the tokens of the whole batch (`qarl.dist.RayEngines` relies on it).
+        samples the tokens of the whole batch (`qarl.parallel.RayEngines` relies on it).
         `prompt_width`: the least number of prompt columns (the whole batch's width when a
         shard is generated), so every shard pads like the whole batch; an engine without
         padded batches ignores it.
@@ -72,4 +80,14 @@ class Engine(Protocol):
         a sentence naming the path (e.g. a fused native block, a fused PyTorch block, a
         packed linear, the module's own forward) and the kernel behind its GEMMs. For logs
         and reports; the wording is not a stable interface."""
+        ...
+
+    def qweights(self) -> dict[str, QWeight]:
+        """The codes and scales the engine decodes with, per quantized layer name (empty for
+        full-precision rollouts): what the weight sync compares from step to step."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engine holds outside this object (actors, processes); a no-op
+        for an engine that holds none. The engine is not used after."""
         ...

@@ -14,7 +14,7 @@ Everything is computed in float32 whatever the model dtype (bf16 logits are upca
 
 Randomness is per response (`row_uniforms`): row r of a `generate(..., seed)` call draws its
 step-t token with the t-th uniform of a stream seeded from (seed, r), so splitting a batch
-over engines (`qarl.dist`) samples exactly the tokens of one engine.
+over engines (`qarl.parallel.RayEngines`) samples exactly the tokens of one engine.
 """
 
 from __future__ import annotations

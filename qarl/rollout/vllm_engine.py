@@ -69,6 +69,7 @@ import torch
 from torch import Tensor
 
 from qarl.model.decoder import CausalLM
+from qarl.quant import quant_layers
 from qarl.rollout.engine import left_pad, response_budget
 from qarl.rollout.sampling import row_seed
 from qarl.rollout.vllm_support import FLOAT32_ON_AMX, KERNEL_AMX, int8_gemm_saturates, resolve_dtype
@@ -239,6 +240,14 @@ class VLLMEngine:
             for name, layer in quantized.items():
                 install_checkpoint_tensors(layer, layer_tensors[name])
         self.last_sync_seconds = time.perf_counter() - start
+
+    def qweights(self) -> dict:
+        """The codes and scales of the qarl copy, which are the ones vLLM serves
+        (`Engine.qweights`)."""
+        return {name: layer.qweight() for name, layer in quant_layers(self.model).items()}
+
+    def close(self) -> None:
+        """vLLM runs in this process: it goes with the engine object."""
 
     def describe(self) -> dict[str, str]:
         """"vllm": the dtype vLLM computes in and why; per vLLM module with weights: its class

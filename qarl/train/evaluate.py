@@ -6,7 +6,7 @@ from qarl.algo.diagnostics import error_token_metrics
 from qarl.config import EvalSection, RunConfig
 from qarl.model import CausalLM
 from qarl.rollout import LocalEngine
-from qarl.train.phases import reward_metrics, score_responses
+from qarl.train.phases import reward_metrics, reward_responses
 from qarl.train.setup import Data, Policy
 from qarl.types import RolloutBatch, SamplingParams, concat_batches
 
@@ -44,14 +44,15 @@ def evaluate(policy: Policy, data: Data, config: RunConfig) -> dict[str, float]:
     engines = {"quantized" if policy.quantized else "full_precision": policy.engine}
     if policy.quantized and config.eval.full_precision:
         engines["full_precision"] = LocalEngine.from_tokenizer(
-            full_precision_copy(policy.learner), data.tokenizer, max_context=config.model.max_context)
+            full_precision_copy(policy.learner.model), data.tokenizer, max_context=config.model.max_context)
     examples = data.eval_examples
     prompt_ids = data.prompts.encode_prompts(examples)
     metrics: dict[str, float] = {}
     grammar = getattr(data.task, "grammar_ok", None)
     for label, engine in engines.items():
         batch = generate_all(engine, prompt_ids, eval_sampling(config.eval), seed=config.run.seed)
-        result, completions = score_responses(data, examples, batch, group_size=1)
+        result, completions = reward_responses(data.tokenizer, data.rewards, examples, batch,
+                                               group_size=1)
         for key, value in reward_metrics(result).items():
             metrics[f"eval/{key.split('/', 1)[1]}_{label}"] = value
         verdicts = [grammar(c) for c in completions] if grammar else None

@@ -1,96 +1,91 @@
-"""The learner's logprobs: teacher-forced, chunked over tokens, in the configured alignment.
+"""`Learner`: the learner's one home. Three verbs and what they hold:
 
-Two ways to compute logp(response | prompt) for a RolloutBatch:
+- `replay(batch, sampling)`: the learner's logprobs of the sampled tokens (no grad) by the
+  engine's own decode path on the whole batch: exact on CPU, so old_logp equals the sampler's
+  logprobs bit for bit under `kernel` alignment (`qarl.train.logprobs` says why this, and not
+  a full-sequence forward);
+- `logprobs(batch, temperature)`: the fast teacher-forced forward, with grad
+  (`logprobs.response_logprobs`), what the update's gradient comes from;
+- `update(experience, algo, train, step)`: the epochs of micro-batched backward passes and
+  optimizer steps (`qarl.train.update.update_policy`), returning the step's metrics;
 
-- `response_logprobs` (with grad): one full-sequence forward of prompt + response, then
-  lm_head + log-softmax in chunks of `chunk_tokens` response positions, each chunk under
-  activation checkpointing, so no [N, L, vocab] float32 tensor is ever kept for the batch
-  (only [chunk, vocab] at a time; the chunk's logits are recomputed in backward).
-- the replay (no grad, exact; `qarl.train.setup.Policy.replay`): the engine's own prefill +
-  decode path with the sampled tokens forced instead of drawn (`LocalEngine.score` on a
-  LocalEngine around the learner model). On CPU this is what makes
-  `old_logp == rollout_logp` bit for bit: same kernels, same shapes, same summation order.
-  A full-sequence forward computes the same function with other shapes (attention over a KV
-  cache vs a causal pass, other GEMM paths): ~1e-6 apart in full precision, but activation
-  quantizers amplify that into whole rounding steps (smollm2-135m W8A8: ~0.1 nats mean).
-  The replay must also use the batch shape that was sampled. Figures: docs/alignment.md.
+plus `model` (the whole master weights: what the sync, evaluation and checkpoints read),
+`optimizers`, and `whole_optimizer_state()` (the block in which `optimizers` hold the whole
+optimizer state, for a checkpoint).
 
-`aligned_logprobs` combines them for the update: the value of the exact path with the
-gradient of the fast one, `logp = exact + (fast - sg(fast))`. Its value is bit-identical to
-`exact` (x - x = 0 exactly) and its gradient is the fast path's, which runs the same
-quantized linears (QuantLinear kernel mode, straight-through) and differs from the exact path
-only by reduction order.
+`AlignedLearner` is the one-process learner; with learner ranks each rank holds one with its
+`qarl.parallel.ranks.RankGroup` (`qarl.train.follow`), and FSDP ranks an `FsdpLearner`. A
+one-process learner is a world of one (`update.SOLO`), so the update has no rank branch.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Protocol
+
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
-from qarl.model.decoder import CausalLM, Routing
-from qarl.rollout.sampling import token_logprobs
-from qarl.types import RolloutBatch
-
-
-def sequence_positions(mask: Tensor) -> Tensor:  # mask [N, S] bool -> [N, S] int64
-    """RoPE positions that skip left padding: row b's first real token has position 0 (the
-    engine's rule, so learner and engine rotate every token by the same angle)."""
-    return (mask.long().cumsum(dim=1) - 1).clamp_min(0)
+from qarl.config import AlgoSection, TrainSection
+from qarl.model import CausalLM
+from qarl.rollout import LocalEngine
+from qarl.train.logprobs import response_logprobs
+from qarl.train.phases import Experience
+from qarl.train.update import SOLO, Collectives, update_policy
+from qarl.types import RolloutBatch, SamplingParams
 
 
-def _chunk_logprobs_and_entropy(lm_head, hidden: Tensor, tokens: Tensor, temperature: float):
-    # hidden: [C, H], tokens: [C] -> logp [C] float32, entropy [C] float32 (no grad)
-    logits = lm_head(hidden)
-    logp = token_logprobs(logits, tokens, temperature)
-    with torch.no_grad():
-        logz = torch.log_softmax(logits.float() / temperature, dim=-1)  # [C, V]
-        # H = -sum_v p_v log p_v
-        entropy = -(logz.exp() * logz).sum(-1)
-    return logp, entropy
+class Learner(Protocol):
+    """What the trainer asks of the learner (module docstring)."""
+
+    model: CausalLM  # the whole master weights (on FSDP rank 0: refreshed after each update)
+    optimizers: list[torch.optim.Optimizer]
+
+    def replay(self, batch: RolloutBatch, sampling: SamplingParams
+               ) -> tuple[Tensor, Tensor | None]:
+        """(old_logp [N, L] float32, the experts the learner's routers chose [N, P + L,
+        moe_layers, k] int16 or None for a dense model)."""
+        ...
+
+    def logprobs(self, batch: RolloutBatch, temperature: float) -> tuple[Tensor, Tensor]:
+        """(logp [N, L] float32 with grad, entropy [N, L]) by the fast forward."""
+        ...
+
+    def update(self, exp: Experience, algo: AlgoSection, train: TrainSection,
+               step: int) -> dict[str, float]:
+        ...
+
+    def whole_optimizer_state(self) -> contextlib.AbstractContextManager[None]:
+        ...
 
 
-def response_logprobs(
-    model: CausalLM, batch: RolloutBatch, temperature: float = 1.0, chunk_tokens: int = 512,
-    routing_replay: bool = False,
-) -> tuple[Tensor, Tensor]:
-    """Teacher-forced logprobs of the response tokens: ([N, L] float32, entropy [N, L]).
+class AlignedLearner:
+    """The learner of one process (or one replicated rank, with its `group`): master weights
+    in `model` (QuantLinear layers in the align mode), trained by `optimizers`; `replayer` is
+    the engine's decode path around `model` (a LocalEngine); `routing_replay`: MoE layers use
+    the engine's experts (quant.routing_replay)."""
 
-    Both are 0 on padding. Gradients reach every parameter through the chunked lm_head.
-    routing_replay: MoE layers use the batch's `routed_experts` (the engine's choice).
-    """
-    ids = batch.sequence_ids()  # [N, P + L]
-    seq_mask = batch.sequence_mask()  # [N, P + L]
-    P, L = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-    routing = Routing(replay=batch.routed_experts) if routing_replay else None
-    hidden = model(ids, positions=sequence_positions(seq_mask), key_mask=seq_mask,
-                   routing=routing)  # [N, P+L, H]
-    # The hidden state at column P-1+t predicts response token t.
-    predicting = hidden[:, P - 1 : P - 1 + L]  # [N, L, H]
-    mask = batch.response_mask
-    flat_hidden = predicting[mask]  # [T, H] response tokens only: padding costs nothing
-    flat_tokens = batch.response_ids[mask]  # [T]
-    logps, entropies = [], []
-    for start in range(0, flat_tokens.numel(), chunk_tokens):
-        h = flat_hidden[start : start + chunk_tokens]
-        y = flat_tokens[start : start + chunk_tokens]
-        if torch.is_grad_enabled() and h.requires_grad:
-            lp, ent = checkpoint(
-                _chunk_logprobs_and_entropy, model.lm_head, h, y, temperature, use_reentrant=False
-            )
-        else:
-            lp, ent = _chunk_logprobs_and_entropy(model.lm_head, h, y, temperature)
-        logps.append(lp)
-        entropies.append(ent)
-    logp = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    entropy = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    if logps:
-        logp = logp.masked_scatter(mask, torch.cat(logps))
-        entropy = entropy.masked_scatter(mask, torch.cat(entropies).detach())
-    return logp, entropy
+    def __init__(self, model: CausalLM, optimizers: list[torch.optim.Optimizer],
+                 replayer: LocalEngine, routing_replay: bool = False,
+                 group: Collectives = SOLO):
+        self.model, self.optimizers, self.replayer = model, optimizers, replayer
+        self.routing_replay, self.group = routing_replay, group
 
+    def replay(self, batch: RolloutBatch, sampling: SamplingParams
+               ) -> tuple[Tensor, Tensor | None]:
+        return self.replayer.score_routing(batch, sampling, replay=self.routing_replay)
 
-def aligned_logprobs(fast_logp: Tensor, exact_logp: Tensor) -> Tensor:
-    """Value of `exact_logp`, gradient of `fast_logp` (both [N, L] float32)."""
-    return exact_logp.detach() + (fast_logp - fast_logp.detach())
+    def logprobs(self, batch: RolloutBatch, temperature: float) -> tuple[Tensor, Tensor]:
+        return response_logprobs(self.model, batch, temperature,
+                                 routing_replay=self.routing_replay)
 
+    def update(self, exp: Experience, algo: AlgoSection, train: TrainSection,
+               step: int) -> dict[str, float]:
+        return update_policy(self.model, self.optimizers, self.group,
+                             lambda e: self.replay(e.batch, e.sampling)[0], exp, algo, train,
+                             step, self.routing_replay)
+
+    @contextlib.contextmanager
+    def whole_optimizer_state(self) -> Iterator[None]:
+        yield  # a whole learner's optimizers always hold the whole state

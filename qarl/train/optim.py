@@ -13,8 +13,7 @@ import math
 import torch
 from torch import nn
 
-OPTIMIZERS = ("adamw", "muon")
-SCHEDULES = ("constant", "cosine", "linear")
+from qarl.config.train_schema import OPTIMIZERS, SCHEDULES
 
 
 def muon_parameter_names(model: nn.Module) -> list[str]:

@@ -1,9 +1,10 @@
 """Build the objects of a run from a validated RunConfig: its folder, the policy pair, the data.
 
 Two copies of the policy live in one process, as they would on two machines (`Policy`):
-- the learner: master weights (fp32/bf16) with QuantLinear layers in the configured
-  alignment (`kernel`: the engine's low-bit kernel with a straight-through backward;
-  `fake`: float emulation of the quantizer; `naive`: plain full precision, no QuantLinear);
+- the learner (`qarl.train.learner.AlignedLearner`): master weights (fp32/bf16) with
+  QuantLinear layers in the configured alignment (`kernel`: the engine's low-bit kernel with
+  a straight-through backward; `fake`: float emulation of the quantizer; `naive`: plain full
+  precision, no QuantLinear), their optimizers and the engine's decode path around them;
 - the engine model: QuantLinear layers in `kernel` mode that decode with whatever the learner
   pushes through `LocalEngine.load_weights`: the learner's own codes and scales when it is
   aligned, its full-precision weights (quantized by the engine) in the naive setup.
@@ -25,19 +26,19 @@ from pathlib import Path
 from typing import IO, Iterator
 
 import torch
-from torch import Tensor
 
 from qarl.config import QuantSection, RolloutSection, RunConfig, TaskSection, save_resolved
 from qarl.errors import UserError
-from qarl.model import CausalLM, load_model, load_tokenizer
+from qarl.model import DTYPES, CausalLM, load_model, load_tokenizer
 from qarl.model.tokenizer import Tokenizer
 from qarl.quant import SCHEMES, quantize_model
-from qarl.rollout import Engine, LocalEngine
+from qarl.rollout import ENGINES, Engine, LocalEngine
 from qarl.tasks import Example, RewardRunner, Task, make_task
+from qarl.train.learner import AlignedLearner, Learner
+from qarl.train.optim import build_optimizer
 from qarl.train.sync import WeightSync
-from qarl.types import RolloutBatch, SamplingParams
+from qarl.types import SamplingParams
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class PromptEncoder:
@@ -95,31 +96,15 @@ def prompt_side(config: RunConfig, tokenizer: Tokenizer) -> tuple[Task, PromptEn
 class Policy:
     """The policy pair: the learner, the engine that samples, and what connects them."""
 
-    learner: CausalLM  # master weights; QuantLinear in the align mode (none when naive)
+    learner: Learner  # master weights, their optimizers, replay and update (qarl.train.learner)
     engine: Engine  # samples with the quantized copy: a LocalEngine, a VLLMEngine
-    # (rollout.engine), or qarl.dist.RayEngines of local engines (dist.rollout_workers > 1)
-    scorer: LocalEngine  # the engine's decode path around the LEARNER model
+    # (rollout.engine), or qarl.parallel.RayEngines of either (dist.rollout_workers > 1)
     sync: WeightSync  # learner -> engine weight push
     quantized: bool  # False when the scheme is the identity (full-precision rollouts)
-    ranks: object = None  # qarl.train.ranks.RankGroup of rank 0 when dist.learner_ranks > 1
-    routing_replay: bool = False  # MoE: the learner uses the engine's experts (quant.routing_replay)
-
-    def replay(self, batch: RolloutBatch, sampling: SamplingParams) -> Tensor:
-        """The learner's logprobs of the sampled tokens, [N, L] float32 (no grad), through
-        the engine's own decode path on the whole batch (qarl.train.learner's docstring says
-        why this, and not a full-sequence forward, gives exact values)."""
-        return self.replay_with_routing(batch, sampling)[0]
-
-    def replay_with_routing(self, batch: RolloutBatch, sampling: SamplingParams
-                            ) -> tuple[Tensor, Tensor | None]:
-        """`replay`, and the experts the learner's own routers chose ([N, P + L, moe_layers, k]
-        int16, None for a dense model); with routing replay it runs the engine's experts."""
-        return self.scorer.score_routing(batch, sampling, replay=self.routing_replay)
 
     def close(self) -> None:
-        """End the rollout workers' actors, if the engine has any."""
-        if hasattr(self.engine, "close"):
-            self.engine.close()
+        """End the engine (its rollout workers' actors, if it has any)."""
+        self.engine.close()
 
 
 @dataclass
@@ -181,29 +166,25 @@ def quantize_learner(learner: CausalLM, quant: QuantSection) -> CausalLM:
     return learner
 
 
+def make_engine(config: RunConfig, model: CausalLM, tokenizer: Tokenizer,
+                folder: Path | None) -> Engine:
+    """The recipe's engine kind (`rollout.engine`, `qarl.rollout.ENGINES`) around `model`, the
+    engine's copy; an engine that writes files (vLLM's starting policy) puts them in `folder`."""
+    longest = config.task.max_prompt_tokens + max(config.rollout.max_new_tokens,
+                                                  config.eval.max_new_tokens)
+    return ENGINES[config.rollout.engine].build(
+        model, tokenizer, folder, max_context=config.model.max_context, longest=longest,
+        seed=config.run.seed, vllm_dtype=config.rollout.vllm_dtype)
+
+
 def build_engine(config: RunConfig, worker: int = 0, run_dir: Path | None = None) -> Engine:
     """The rollout engine of `config` built from the model files, as Ray rollout worker
     `worker` builds its own (the trainer's first weight push then replaces all its weights);
-    a vLLM worker's starting policy goes to run_dir / "vllm_policy" / "worker<k>"."""
+    its files go to run_dir / "vllm_policy" / "worker<k>"."""
     model = load_model(config.model.name, dtype=DTYPES[config.model.master_dtype])
-    tokenizer = load_tokenizer(config.model.name)
-    if config.rollout.engine == "vllm":
-        return vllm_engine(config, engine_copy(model, config.quant), tokenizer,
-                           Path(run_dir) / "vllm_policy" / f"worker{worker}")
-    return LocalEngine.from_tokenizer(engine_copy(model, config.quant), tokenizer,
-                                      max_context=config.model.max_context)
-
-
-def vllm_engine(config: RunConfig, model: CausalLM, tokenizer: Tokenizer, folder: Path) -> Engine:
-    """A VLLMEngine serving `model` (its starting policy written to `folder`)."""
-    from qarl.rollout.vllm_engine import VLLMEngine  # imports vllm: only when asked for
-
-    # vLLM reserves KV cache for one request of the full context: bound it by the recipe
-    longest = config.task.max_prompt_tokens + max(config.rollout.max_new_tokens,
-                                                  config.eval.max_new_tokens)
-    return VLLMEngine.from_tokenizer(model, tokenizer, folder,
-                                     max_context=config.model.max_context or longest,
-                                     seed=config.run.seed, dtype=config.rollout.vllm_dtype)
+    folder = None if run_dir is None else Path(run_dir) / "vllm_policy" / f"worker{worker}"
+    return make_engine(config, engine_copy(model, config.quant), load_tokenizer(config.model.name),
+                       folder)
 
 
 def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | None = None,
@@ -216,23 +197,23 @@ def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | No
         learner = load_model(config.model.name, dtype=DTYPES[config.model.master_dtype])
     max_context = config.model.max_context
     if config.dist.rollout_workers > 1:
-        from qarl.dist import RayEngines, connect  # Ray only when the recipe asks for it
+        from qarl.parallel import RayEngines, connect  # Ray only when the recipe asks for it
 
         connect(config.dist.address)
-        gpus = int(config.rollout.engine == "vllm" and torch.cuda.is_available())
+        gpus = int(ENGINES[config.rollout.engine].uses_gpu and torch.cuda.is_available())
         engine = RayEngines(partial(build_engine, config, run_dir=run_dir),
                             config.dist.rollout_workers, gpus_per_worker=gpus)
-    elif config.rollout.engine == "vllm":
-        engine = vllm_engine(config, engine_copy(learner, config.quant), tokenizer,
-                             Path(run_dir) / "vllm_policy")
-    else:
-        engine_model = engine_copy(learner, config.quant)  # copied before the learner is quantized
-        engine = LocalEngine.from_tokenizer(engine_model, tokenizer, max_context=max_context)
+    else:  # the engine's copy, made before the learner is quantized
+        engine = make_engine(config, engine_copy(learner, config.quant), tokenizer,
+                             None if run_dir is None else Path(run_dir) / "vllm_policy")
     quantize_learner(learner, config.quant)
-    scorer = LocalEngine.from_tokenizer(learner, tokenizer, max_context=max_context)
-    return Policy(learner, engine, scorer, WeightSync(learner, engine),
-                  quantized=not SCHEMES[config.quant.scheme].is_identity,
-                  routing_replay=config.quant.routing_replay)
+    train = config.train
+    optimizers = build_optimizer(learner, train.optimizer, train.lr, train.weight_decay,
+                                 tuple(train.betas))
+    replayer = LocalEngine.from_tokenizer(learner, tokenizer, max_context=max_context)
+    return Policy(AlignedLearner(learner, optimizers, replayer, config.quant.routing_replay),
+                  engine, WeightSync(learner, engine),
+                  quantized=not SCHEMES[config.quant.scheme].is_identity)
 
 
 def report_dataset(task: Task, run_dir: Path) -> None:

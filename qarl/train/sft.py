@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 
 from qarl.config import RunConfig
-from qarl.model import CausalLM, load_model, load_tokenizer, save_model
+from qarl.model import DTYPES, CausalLM, load_model, load_tokenizer, save_model
 from qarl.paths import cache_lock, qarl_home
-from qarl.train.learner import response_logprobs
+from qarl.rollout.engine import left_pad
+from qarl.train.logprobs import response_logprobs
 from qarl.train.signals import check_stop
 from qarl.types import RolloutBatch
 
@@ -37,15 +38,13 @@ def sft_key(config: RunConfig) -> str:
 
 
 def teacher_batch(encoder, examples, tokenizer, end_id: int) -> RolloutBatch:
-    """Prompt ids (templated by `encoder`, a PromptEncoder) + reference completion ids + end
-    token, as a RolloutBatch."""
+    """Prompt ids (templated by `encoder`, a PromptEncoder; left-padded as the engine pads)
+    + reference completion ids + end token (right-padded), as a RolloutBatch."""
     prompts = encoder.encode_prompts(examples)
     answers = [tokenizer.encode(encoder.task.reference_completion(ex)) + [end_id] for ex in examples]
-    P, L = max(map(len, prompts)), max(map(len, answers))
-    pad = tokenizer.pad_token_id
-    prompt_ids = torch.tensor([[pad] * (P - len(p)) + p for p in prompts])
-    prompt_mask = torch.tensor([[False] * (P - len(p)) + [True] * len(p) for p in prompts])
-    response_ids = torch.tensor([a + [pad] * (L - len(a)) for a in answers])
+    pad, L = tokenizer.pad_token_id, max(map(len, answers))
+    prompt_ids, prompt_mask = left_pad(prompts, len(tokenizer.hf), pad)  # [N, P] each
+    response_ids = torch.tensor([a + [pad] * (L - len(a)) for a in answers])  # [N, L]
     response_mask = torch.tensor([[True] * len(a) + [False] * (L - len(a)) for a in answers])
     return RolloutBatch(prompt_ids, prompt_mask, response_ids, response_mask,
                         torch.zeros(response_ids.shape), [])
@@ -85,8 +84,6 @@ def warm_start(config: RunConfig, log=print) -> CausalLM | None:
     """The warm-started model (cached), or None when the recipe has no SFT steps."""
     if config.sft.steps == 0:
         return None
-    from qarl.train.setup import DTYPES
-
     folder = qarl_home() / "sft" / sft_key(config)
     dtype = DTYPES[config.model.master_dtype]
     if not (folder / "model.safetensors").exists():

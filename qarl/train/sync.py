@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from qarl.quant import QWeight, export_state, quant_layers
+from qarl.quant import QWeight, export_state
 
 
 class WeightSync:
@@ -27,7 +27,7 @@ class WeightSync:
         start = time.perf_counter()
         state = export_state(self.learner)
         self.engine.load_weights(state)
-        current = engine_codes(self.engine)
+        current = self.engine.qweights()
         seconds = time.perf_counter() - start
         megabytes = sum(v.nbytes() if isinstance(v, QWeight) else v.numel() * v.element_size()
                         for v in state.values()) / 2**20
@@ -36,14 +36,6 @@ class WeightSync:
             metrics.update(code_changes(self.previous, current))
         self.previous = current
         return metrics
-
-
-def engine_codes(engine) -> dict[str, QWeight]:
-    """The codes and scales `engine` decodes with, per quantized layer: read from its model in
-    this process, or asked of its actors (qarl.dist.RayEngines.qweights)."""
-    if not hasattr(engine, "model"):
-        return engine.qweights()
-    return {name: layer.qweight() for name, layer in quant_layers(engine.model).items()}
 
 
 def code_changes(old: dict[str, QWeight], new: dict[str, QWeight]) -> dict[str, float]:

@@ -2,10 +2,11 @@
 
 One step (`rl_step`, the phase table of docs/training.md): prompts -> the engine samples G
 responses per prompt with the quantized weights -> rewards (worker processes, deadlines) ->
-group advantages -> old_logp from the aligned learner (the engine's own decode path replayed
-with the sampled tokens: exact on CPU) -> K epochs of micro-batched updates with the
-configured loss and rollout correction -> the master weights are quantized once and pushed to
-the engine. The loop (`train`) adds resume, evaluation, logging, checkpoints and the guards:
+group advantages -> old_logp from the aligned learner (`Learner.replay`: the engine's own
+decode path replayed with the sampled tokens, exact on CPU) -> K epochs of micro-batched
+updates with the configured loss and rollout correction (`Learner.update`, the same on one
+process and on learner ranks) -> the master weights are quantized once and pushed to the
+engine. The loop (`train`) adds resume, evaluation, logging, checkpoints and the guards:
 a stop signal is honoured only before a step's update (`check_stop`), so a stopped run saves
 the checkpoint of its finished steps; a non-finite update is skipped and counted
 (`guards.BadStepGuard`); out of memory ends the run with the settings to lower.
@@ -18,8 +19,6 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import torch
-
 from qarl.config import RunConfig, load_config, to_toml
 from qarl.train import checkpoint
 from qarl.train.evaluate import evaluate
@@ -27,14 +26,13 @@ from qarl.train.guards import (
     BadStepGuard, NonFiniteWeights, RunStopped, TrainingAborted, is_out_of_memory,
     out_of_memory_message,
 )
+from qarl.parallel.ranks import LearnerRankDied
+from qarl.train.follow import learner_on_ranks
 from qarl.train.metrics import MetricsLogger
-from qarl.train.optim import build_optimizer
 from qarl.train.phases import (
-    Experience, PhaseTimer, compute_advantages, reward_metrics, sample_metrics, score_responses,
-    train_examples, update_policy,
+    Experience, PhaseTimer, compute_advantages, reward_metrics, reward_responses,
+    sample_metrics, train_examples,
 )
-from qarl.train.launch import learner_ranks
-from qarl.train.ranks import LearnerRankDied, update_on_ranks, whole_optimizer_state
 from qarl.train.resume import ResumePoint, resume_point
 from qarl.train.setup import Data, Policy, open_run, sampling_params
 from qarl.train.sft import warm_start
@@ -42,12 +40,10 @@ from qarl.train.signals import StopRequested, check_stop, stop_on_signals
 from qarl.train.summary import finish_run
 
 
-def rl_step(policy: Policy, data: Data, optimizers: list[torch.optim.Optimizer],
-            config: RunConfig, step: int) -> dict[str, float]:
-    """One RL step (0-based `step`): sample, score, update the learner, push it to the engine.
+def rl_step(policy: Policy, data: Data, config: RunConfig, step: int) -> dict[str, float]:
+    """One RL step (0-based `step`): sample, reward, update the learner, push it to the engine.
     Returns the step's metrics (docs/training.md, "What a run logs"). A stop signal ends it
-    (StopRequested) only before the update starts: after, the step runs to its end. With
-    learner ranks (`policy.ranks`), the experience goes to every rank, each updates on its share."""
+    (StopRequested) only before the update starts: after, the step runs to its end."""
     timer = PhaseTimer()
     G, seed = config.rollout.group_size, config.run.seed
     sampling = sampling_params(config.rollout)
@@ -57,19 +53,15 @@ def rl_step(policy: Policy, data: Data, optimizers: list[torch.optim.Optimizer],
     with timer("generate"):
         batch = policy.engine.generate(prompt_ids, sampling, seed=seed * 100_003 + step)
     with timer("reward"):
-        scored, completions = score_responses(data, examples, batch, G)
+        scored, completions = reward_responses(data.tokenizer, data.rewards, examples, batch, G)
     advantages, rows, group_metrics = compute_advantages(scored.rewards, batch, config.algo, G)
     check_stop()
     with timer("old_logp"):
-        old_logp, learner_routing = policy.replay_with_routing(batch, sampling)
+        old_logp, learner_routing = policy.learner.replay(batch, sampling)
     exp = Experience(batch, sampling, old_logp, advantages, rows, learner_routing)
     check_stop()
     with timer("update"):
-        if policy.ranks is None:
-            update = update_policy(policy, optimizers, exp, config.algo, config.train, step)
-        else:
-            update = update_on_ranks(policy.ranks, policy, optimizers, exp, config.algo,
-                                     config.train, step)
+        update = policy.learner.update(exp, config.algo, config.train, step)
     with timer("sync"):
         sync = policy.sync.push()
     generated = int(batch.response_mask.sum())
@@ -92,12 +84,10 @@ def train(recipe: str | Path | Mapping | RunConfig | None = None,
     start = resume_point(config)  # a recipe that does not fit the checkpoint fails here
     with stop_on_signals(), open_run(config, learner=_warm_start(config)) as (folder, policy, data):
         policy.engine.stop_check = data.rewards.stop_check = check_stop
-        optimizers = build_optimizer(policy.learner, config.train.optimizer, config.train.lr,
-                                     config.train.weight_decay, tuple(config.train.betas))
-        loop = Loop(config, folder.path, policy, data, optimizers)
+        loop = Loop(config, folder.path, policy, data)
         loop.start(start)
         try:
-            with learner_ranks(config, policy, optimizers) as policy.ranks:
+            with learner_on_ranks(config, policy.learner) as policy.learner:
                 before, after = loop.run()
         except LearnerRankDied as err:  # a follower gone before it joined (no step taken)
             raise TrainingAborted(str(err)) from err
@@ -120,10 +110,8 @@ class Loop:
     """The steps of one run with what they carry between them: the steps done, the global RNG
     state at that point, the last checkpoint, the bad-step count, the metrics log."""
 
-    def __init__(self, config: RunConfig, run_dir: Path, policy: Policy, data: Data,
-                 optimizers: list[torch.optim.Optimizer]):
+    def __init__(self, config: RunConfig, run_dir: Path, policy: Policy, data: Data):
         self.config, self.run_dir, self.policy, self.data = config, run_dir, policy, data
-        self.optimizers = optimizers
         self.guard = BadStepGuard(config.train.max_bad_steps)
         self.done, self.saved = 0, None  # steps finished; the newest checkpoint, if any
 
@@ -140,7 +128,8 @@ class Loop:
         elif resume_from is None:
             checkpoint.keep_old_metrics(self.run_dir)
         else:
-            state, rng = checkpoint.load(resume_from, self.policy.learner, self.optimizers)
+            learner = self.policy.learner
+            state, rng = checkpoint.load(resume_from, learner.model, learner.optimizers)
             checkpoint.restore_metrics(resume_from, self.run_dir)
             checkpoint.restore_rng(rng)
             self.done, self.saved = state["step"], resume_from
@@ -161,7 +150,7 @@ class Loop:
             if self.eval_due():  # a resumed run redoes the eval its checkpoint came before
                 self.evaluate()
             for step in range(self.done, steps):
-                metrics = rl_step(self.policy, self.data, self.optimizers, config, step)
+                metrics = rl_step(self.policy, self.data, config, step)
                 self.log.log(step + 1, metrics)
                 self.done, self.rng = step + 1, checkpoint.capture_rng()
                 self.guard.update(self.done, metrics, self.saved)
@@ -197,9 +186,9 @@ class Loop:
         return metrics
 
     def save(self) -> None:
-        train = self.config.train
+        train, learner = self.config.train, self.policy.learner
         state = {"time": time.time(), "bad_steps": self.guard.in_a_row}
-        with whole_optimizer_state(self.policy.ranks, self.policy.learner, self.optimizers):
-            self.saved = checkpoint.save(self.run_dir, self.done, self.policy.learner,
-                                         self.optimizers, state, self.rng, to_toml(self.config),
-                                         train.keep_checkpoints)
+        with learner.whole_optimizer_state():
+            self.saved = checkpoint.save(self.run_dir, self.done, learner.model,
+                                         learner.optimizers, state, self.rng,
+                                         to_toml(self.config), train.keep_checkpoints)

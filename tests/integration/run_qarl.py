@@ -19,9 +19,9 @@ if hook:
     current = {}
     real_rl_step, real_decode = trainer.rl_step, engine.decode_one_token
 
-    def rl_step(policy, data, optimizers, config, step):
+    def rl_step(policy, data, config, step):
         current["step"] = step
-        return real_rl_step(policy, data, optimizers, config, step)
+        return real_rl_step(policy, data, config, step)
 
     def decode_one_token(*args, **kwargs):
         if current.get("step") == int(slow_step):

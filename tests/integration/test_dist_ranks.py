@@ -179,9 +179,9 @@ def test_ray_placed_ranks_that_cannot_start_or_fail_are_named(ray_session):
     """A Ray-placed rank that needs more CPUs than the cluster has is never ready: the join
     wait ends after its timeout naming the rank and `ray status`; a rank whose body raises is
     reported with the error's text as its exit reason."""
-    from qarl.dist import RayRanks
-    from qarl.train.launch import wait_for_followers
-    from qarl.train.ranks import LearnerRankDied
+    from qarl.parallel import RayRanks
+    from qarl.parallel.launch import wait_for_followers
+    from qarl.parallel.ranks import LearnerRankDied
 
     unplaceable = RayRanks(_raises, 2, cpus_per_rank=64)
     try:
@@ -217,7 +217,7 @@ def test_a_dying_rank_ends_the_run_with_the_checkpoint_intact(tmp_path):
     while latest(run_dir) is None and run.poll() is None:
         time.sleep(0.5)
     followers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit()
-                 and b"qarl.train.launch" in _cmdline(pid)]
+                 and b"qarl.train.follow" in _cmdline(pid)]
     assert followers, "no follower rank process found"
     os.kill(followers[0], signal.SIGKILL)
     assert run.wait(timeout=600) != 0

@@ -14,7 +14,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 from qarl.config import load_config  # noqa: E402
-from qarl.dist import RayEngines  # noqa: E402
+from qarl.parallel import RayEngines  # noqa: E402
 from qarl.quant import export_state  # noqa: E402
 from qarl.train.phases import train_examples  # noqa: E402
 from qarl.train.setup import build_engine, open_run, sampling_params  # noqa: E402
@@ -43,7 +43,7 @@ def _generate(config, step: int, prompts=None):
         prompts = [p[2:] if i % 7 == 3 else p for i, p in enumerate(prompts)]
         seed = config.run.seed * 100_003 + step
         batch = policy.engine.generate(prompts, sampling_params(config.rollout), seed=seed)
-        replay = policy.replay(batch, sampling_params(config.rollout))
+        replay, _ = policy.learner.replay(batch, sampling_params(config.rollout))
     return batch, replay
 
 
@@ -85,7 +85,7 @@ def test_killed_rollout_actor_is_restarted_with_the_same_tokens(ray_session, tmp
         policy.sync.push()
         prompts = _step_prompts(config, data, step=1)
         want = policy.engine.generate(prompts, sampling_params(config.rollout), seed=7)
-        state = export_state(policy.learner)
+        state = export_state(policy.learner.model)
     engines = RayEngines(partial(_dies_once, config, str(tmp_path / "died")), 2)
     try:
         engines.load_weights(state)

@@ -151,9 +151,9 @@ def _plant_nan(monkeypatch, steps: set[int]) -> None:
     current = {}
     real_step, real_loss = trainer.rl_step, LOSSES["tbpo"]
 
-    def rl_step(policy, data, optimizers, config, step):
+    def rl_step(policy, data, config, step):
         current["step"] = step
-        return real_step(policy, data, optimizers, config, step)
+        return real_step(policy, data, config, step)
 
     @functools.wraps(real_loss)  # the loss registry reads its keyword parameters
     def loss(*args, **kwargs):
@@ -199,10 +199,10 @@ def test_out_of_memory_stops_with_the_settings_to_lower(tmp_path, monkeypatch):
     checkpoint of step 2 is intact and latest."""
     real = trainer.rl_step
 
-    def rl_step(policy, data, optimizers, config, step):
+    def rl_step(policy, data, config, step):
         if step == 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(policy, data, optimizers, config, step)
+        return real(policy, data, config, step)
 
     monkeypatch.setattr(trainer, "rl_step", rl_step)
     with pytest.raises(TrainingAborted, match="out of memory in step 3 of 4.*micro_batch_size"):

@@ -8,7 +8,6 @@ import torch
 
 from qarl.config import load_config
 from qarl.quant import QWeight, export_state, quant_layers
-from qarl.train.optim import build_optimizer
 from qarl.train.setup import open_run
 from qarl.train.sft import warm_start
 from qarl.train.trainer import rl_step
@@ -31,13 +30,12 @@ def test_step_pushes_the_updated_learner_to_the_engine(tmp_path):
     was timed, in order."""
     config = _config(tmp_path)
     with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
-        optimizers = build_optimizer(policy.learner, "adamw", config.train.lr)
-        pushed_before = {k: v.codes.clone() for k, v in export_state(policy.learner).items()
+        pushed_before = {k: v.codes.clone() for k, v in export_state(policy.learner.model).items()
                          if isinstance(v, QWeight)}
-        metrics = rl_step(policy, data, optimizers, config, step=STEP)
-        learner_codes = export_state(policy.learner)
+        metrics = rl_step(policy, data, config, step=STEP)
+        learner_codes = export_state(policy.learner.model)
         engine_layers = quant_layers(policy.engine.model)
-    assert engine_layers and set(engine_layers) == set(quant_layers(policy.learner))
+    assert engine_layers and set(engine_layers) == set(quant_layers(policy.learner.model))
     for name, layer in engine_layers.items():
         pushed, held = learner_codes[f"{name}.weight"].tensors(), layer.qweight().tensors()
         assert pushed.keys() == held.keys()
@@ -54,13 +52,12 @@ def test_every_exact_logp_is_one_whole_batch_replay(tmp_path):
     config = _config(tmp_path, **{"algo.epochs": 3})
     with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
         replayed_rows = []
-        replay = policy.replay_with_routing  # what replay() runs too
+        replay = policy.learner.replay  # old_logp's replay and the update's later epochs'
 
         def counting_replay(batch, sampling):
             replayed_rows.append(batch.num_sequences)
             return replay(batch, sampling)
 
-        policy.replay_with_routing = counting_replay
-        optimizers = build_optimizer(policy.learner, "adamw", config.train.lr)
-        rl_step(policy, data, optimizers, config, step=STEP)
+        policy.learner.replay = counting_replay
+        rl_step(policy, data, config, step=STEP)
     assert replayed_rows == [config.rollout.batch_size] * 3

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from qarl.config import load_config
-from qarl.train.optim import build_optimizer
 from qarl.train.setup import open_run
 from qarl.train.trainer import rl_step
 
@@ -17,7 +16,6 @@ def test_moe_step_with_routing_replay_is_exact(tmp_path):
         "quant.routing_replay": True, "rollout.batch_size": 8, "train.micro_batch_size": 4,
     })
     with open_run(config) as (_, policy, data):
-        optimizers = build_optimizer(policy.learner, "adamw", config.train.lr)
-        metrics = rl_step(policy, data, optimizers, config, step=0)
+        metrics = rl_step(policy, data, config, step=0)
     assert metrics["mismatch/abs_diff_max"] == 0.0
     assert metrics["mismatch/routing_disagree_frac"] == 0.0

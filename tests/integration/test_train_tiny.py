@@ -10,7 +10,6 @@ from safetensors.torch import load_file
 
 from qarl.config import load_config
 from qarl.report import read_metrics
-from qarl.train.optim import build_optimizer
 from qarl.train.setup import open_run
 from qarl.train.sft import warm_start
 from qarl.train.trainer import rl_step, train
@@ -66,12 +65,11 @@ def _one_update(config, micro_batch_size):
     config = config.model_copy(update={"train": config.train.model_copy(
         update={"micro_batch_size": micro_batch_size})})
     with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
-        optimizers = build_optimizer(policy.learner, "adamw", config.train.lr)
-        before = {n: p.detach().clone() for n, p in policy.learner.named_parameters()}
-        metrics = rl_step(policy, data, optimizers, config, step=1)
+        before = {n: p.detach().clone() for n, p in policy.learner.model.named_parameters()}
+        metrics = rl_step(policy, data, config, step=1)
         assert metrics["groups/all_equal_frac"] < 1.0, "no reward spread: the update would be trivial"
         assert metrics["policy/skipped_steps"] == 0
-        return before, {n: p.detach().clone() for n, p in policy.learner.named_parameters()}
+        return before, {n: p.detach().clone() for n, p in policy.learner.model.named_parameters()}
 
 
 def test_micro_batching_does_not_change_the_update(tmp_path):

@@ -173,11 +173,11 @@ def test_a_planted_infinite_learning_rate_skips_the_step(tmp_path, monkeypatch):
     """An lr the schedule turns infinite (a planted bug: the recipe refuses inf) skips the
     step like a non-finite loss: guard/nonfinite = 1, weights and optimizer state untouched,
     and the run goes on; the final weights are finite."""
-    import qarl.train.phases as phases
+    import qarl.train.update as update
     from qarl.report import read_metrics
 
-    real = phases.learning_rate
-    monkeypatch.setattr(phases, "learning_rate",
+    real = update.learning_rate
+    monkeypatch.setattr(update, "learning_rate",
                         lambda step, *a: float("inf") if step == 1 else real(step, *a))
     train("tiny", {**SMALL, "run.output_dir": str(tmp_path), "train.steps": 3})
     rows = [r for r in read_metrics(tmp_path / "tiny" / "metrics.jsonl") if "guard/nonfinite" in r]

@@ -81,6 +81,20 @@ def test_rules_name_every_package():
     assert named <= packages, sorted(named - packages)
 
 
+def test_rules_say_what_the_code_imports():
+    """The rule is tight: every package a rule lets a package import is imported by at least
+    one of its modules (a stale permission would hide the next wrong import)."""
+    allowed, _ = read_rules()
+    used: dict[str, set[str]] = {}
+    for path in SOURCES:
+        package = package_of(module_name(path))
+        used.setdefault(package, set()).update(
+            package_of(t) for _, t in imports(path) if t.split(".")[0] == "qarl")
+    unused = {package: sorted(may - used.get(package, set()))
+              for package, may in allowed.items() if may is not None and may - used.get(package, set())}
+    assert not unused, unused
+
+
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_imports_follow_the_rule(path):
     """Every import in the file (module level and inside functions) of a qarl package is one

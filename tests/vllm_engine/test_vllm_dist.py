@@ -14,7 +14,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
 from qarl.config import load_config  # noqa: E402
-from qarl.dist import RayEngines  # noqa: E402
+from qarl.parallel import RayEngines  # noqa: E402
 from qarl.quant import export_state  # noqa: E402
 from qarl.train.phases import train_examples  # noqa: E402
 from qarl.train.setup import build_engine, open_run, sampling_params  # noqa: E402
@@ -39,7 +39,7 @@ def test_two_vllm_workers_sample_what_one_vllm_engine_samples(ray_session, tmp_p
         prompts = [ids for ids in data.prompts.encode_prompts(examples) for _ in range(G)]
         prompts = [p[2:] if i % 7 == 3 else p for i, p in enumerate(prompts)]  # other widths
         want = policy.engine.generate(prompts, sampling_params(one.rollout), seed=7)
-        state = export_state(policy.learner)
+        state = export_state(policy.learner.model)
     engines = RayEngines(partial(build_engine, two, run_dir=tmp_path / "two"), 2)
     try:
         engines.load_weights(state)

@@ -49,7 +49,7 @@ BAD_RECIPES = [
     ("bad-reward", ["--task.reward=mymodule.score"],
      ["task.reward: 'mymodule.score' is neither a built-in reward", "'module:function'"]),
     ("align-value", ["--quant.align=full"],
-     ["quant.align: should be 'kernel', 'fake' or 'naive'", "(got 'full')"]),
+     ["quant.align: should be 'naive', 'fake' or 'kernel'", "(got 'full')"]),
     ("align-renamed", ["--quant.align=none"],
      ["quant.align:", "now called 'naive'", "align = \"naive\""]),
     ("unknown-scheme", ["--quant.scheme=w8a8-in8"],

@@ -29,7 +29,7 @@ def test_kernel_align_is_refused(base_toml, write_recipe):
 def test_gpu_only_scheme_is_refused_on_cpu(base_toml, write_recipe):
     """FP8 is served by vLLM only with CUDA: refused on CPU, naming what runs here."""
     found = problems(base_toml, write_recipe, "--quant.align=fake", "--quant.scheme=w8a8-fp8")
-    assert "not served by vLLM on CPU" in found["quant.scheme"]
+    assert "not served by rollout.engine = 'vllm' on this machine" in found["quant.scheme"]
     assert "none, w8a8-int8" in found["quant.scheme"]
 
 

@@ -1,4 +1,4 @@
-"""Generating a batch in shards: what `qarl.dist.RayEngines` relies on, checked in-process."""
+"""Generating a batch in shards: what `qarl.parallel.RayEngines` relies on, checked in-process."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def test_row_offset_moves_the_streams(engine):
 def test_shard_bounds_cover_the_rows_in_order():
     """shard_bounds: contiguous, in order, sizes within one of each other, never empty."""
     pytest.importorskip("ray")
-    from qarl.dist import shard_bounds
+    from qarl.parallel import shard_bounds
 
     assert shard_bounds(64, 2) == [(0, 32), (32, 64)]
     assert shard_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)]

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from qarl.train.launch import LocalRank, wait_for_followers
-from qarl.train.ranks import LearnerRankDied
+from qarl.parallel.launch import LocalRank, wait_for_followers
+from qarl.parallel.ranks import LearnerRankDied
 
 
 def _python(code: str) -> subprocess.Popen:
@@ -64,7 +64,7 @@ def test_an_orphaned_follower_exits(tmp_path, parent_ends):
     that starts it in the background, writes its pid and exits)."""
     pid_file, called = tmp_path / "pid", tmp_path / "called"
     delay = 2 if parent_ends == "before the call" else 0
-    child = (f"import sys, time; from qarl.train.launch import exit_with_parent; "
+    child = (f"import sys, time; from qarl.parallel.launch import exit_with_parent; "
              f"time.sleep({delay}); exit_with_parent(int(sys.argv[1]), 0.1); "
              f"open({str(called)!r}, 'w').close(); time.sleep(60)")
     # for "after the call" the shell outlives the call: it waits for the child's marker

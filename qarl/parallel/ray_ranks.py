@@ -1,7 +1,8 @@
 """`RayRanks`: learner ranks 1..M-1 as Ray actors, so a data-parallel learner spans machines.
 
-The trainer (rank 0, `qarl.train.launch.learner_ranks` with `dist.learner_placement = "ray"`)
-passes the follower's body; this module only places and watches the actors:
+The trainer (rank 0, `qarl.parallel.launch.learner_ranks` with `dist.learner_placement =
+"ray"`) passes the follower's body (`qarl.train.follow.follow`); this module only places and
+watches the actors:
 
 - each actor reserves `cpus_per_rank` CPUs (Ray sets its torch threads to that) and is
   scheduled with Ray's SPREAD strategy, so on a cluster the ranks go to different machines
@@ -60,7 +61,7 @@ class RayRank:
 
 class RayRanks:
     """Learner ranks 1..world-1 in Ray actors, each running `body(rank, world, init)` once
-    started. Needs a connected Ray (`qarl.dist.connect`)."""
+    started. Needs a connected Ray (`qarl.parallel.connect`)."""
 
     def __init__(self, body: Callable[[int, int, object], int], world: int, cpus_per_rank: int = 1):
         actor = ray.remote(RankWorker).options(num_cpus=cpus_per_rank, max_restarts=0,

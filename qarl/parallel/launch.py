@@ -1,11 +1,16 @@
 """Starting learner ranks 1..M-1 (`dist.learner_placement`), and ending them.
 
-- "local": processes on this machine (`python -m qarl.train.launch`, given the resolved
-  recipe: a fresh interpreter never re-runs the caller's script, as multiprocessing's spawn
-  would), joined through a rendezvous file in a temporary folder; each ends itself within a
-  second of rank 0's process going away (`exit_with_parent`).
-- "ray": Ray actors the cluster places (`qarl.dist.RayRanks`, possibly on other machines),
-  joined through a TCP store rank 0 opens on its node address; Ray ends them with rank 0.
+What a follower runs is handed in (`Follower`): its body, `body(rank, world, init, config)`,
+and the module that runs it as a process on this machine (`python -m MODULE`, whose
+`__main__` calls `follower_main`); the trainer's is `qarl.train.follow`.
+
+- "local": processes on this machine (`python -m MODULE`, given the resolved recipe: a fresh
+  interpreter never re-runs the caller's script, as multiprocessing's spawn would), joined
+  through a rendezvous file in a temporary folder; each ends itself within a second of rank
+  0's process going away (`exit_with_parent`).
+- "ray": Ray actors the cluster places (`qarl.parallel.RayRanks`, possibly on other
+  machines), joined through a TCP store rank 0 opens on its node address; Ray ends them with
+  rank 0.
 
 Either way rank 0 first waits until every follower is about to join (`wait_for_followers`):
 one that ends before, or neither joins nor ends within 10 minutes, ends the run at once with
@@ -22,7 +27,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -30,9 +37,7 @@ import torch
 import torch.distributed as dist
 
 from qarl.config import RunConfig, load_config, save_resolved
-from qarl.train.ranks import (
-    COLLECTIVE_TIMEOUT, LearnerRankDied, RankGroup, follower, join_group, share_state,
-)
+from qarl.parallel.ranks import COLLECTIVE_TIMEOUT, LearnerRankDied, RankGroup, join_group, leave_group
 
 # Before joining, a follower imports torch and qarl: seconds, minutes on a loaded machine.
 # A follower that dies before it joins is seen by rank 0 at once (its exit code); this limit
@@ -96,39 +101,43 @@ def exit_with_parent(parent: int, interval_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="qarl-parent-watch", daemon=True).start()
 
 
+@dataclass(frozen=True)
+class Follower:
+    """What ranks 1..M-1 run: `body(rank, world, init, config) -> exit code` (in a Ray actor
+    as it is; on this machine in `python -m module`, whose `__main__` calls `follower_main`)."""
+
+    body: Callable[[int, int, object, RunConfig], int]
+    module: str
+
+
 @contextmanager
-def learner_ranks(config: RunConfig, policy, optimizers: list) -> Iterator[RankGroup | None]:
-    """None with one rank; else start the followers (`dist.learner_placement`), share rank
-    0's state with them (`policy.learner` and `optimizers`), yield rank 0's group, and on
-    exit tell the followers to stop and wait for them."""
+def learner_ranks(config: RunConfig, follower: Follower) -> Iterator[RankGroup]:
+    """Start ranks 1..M-1 (`dist.learner_placement`), join them, yield rank 0's group; on
+    exit tell the followers to stop (a None message) and wait for them."""
     world = config.dist.learner_ranks
-    if world == 1:
-        yield None
-        return
     with tempfile.TemporaryDirectory(prefix="qarl-ranks-") as tmp:
-        followers = (ray_followers(config) if config.dist.learner_placement == "ray"
-                     else local_followers(config, tmp))
+        followers = (ray_followers(config, follower) if config.dist.learner_placement == "ray"
+                     else local_followers(config, follower, tmp))
         with followers as (members, join):
-            group = RankGroup(0, world, tuple(members))
+            group = RankGroup(0, world, tuple(members),
+                              lockstep=config.dist.learner_strategy == "fsdp")
             try:
                 wait_for_followers(members)
                 join()
-                share_state(group, policy.learner, optimizers, config, policy.scorer)
                 yield group
                 group.broadcast(None)  # the followers' loop ends
             finally:
-                if dist.is_initialized():
-                    dist.destroy_process_group()
+                leave_group()
 
 
 @contextmanager
-def local_followers(config: RunConfig, tmp: str):
+def local_followers(config: RunConfig, follower: Follower, tmp: str):
     """Ranks 1..M-1 as processes on this machine, joined through a file in `tmp`: yields
     (their LocalRanks, rank 0's join)."""
     world = config.dist.learner_ranks
     init_file = str(Path(tmp) / "init")
     recipe = save_resolved(config, tmp)
-    members = [LocalRank(subprocess.Popen([sys.executable, "-m", "qarl.train.launch", str(r),
+    members = [LocalRank(subprocess.Popen([sys.executable, "-m", follower.module, str(r),
                                            str(world), init_file, str(recipe), str(os.getpid())]),
                          init_file, r)
                for r in range(1, world)]
@@ -140,17 +149,17 @@ def local_followers(config: RunConfig, tmp: str):
 
 
 @contextmanager
-def ray_followers(config: RunConfig):
-    """Ranks 1..M-1 as Ray actors (`qarl.dist.RayRanks`) on the cluster `dist.address` names,
-    joined through a TCP store this process opens on its own address: yields (their
+def ray_followers(config: RunConfig, follower: Follower):
+    """Ranks 1..M-1 as Ray actors (`qarl.parallel.RayRanks`) on the cluster `dist.address`
+    names, joined through a TCP store this process opens on its own address: yields (their
     RayRanks, rank 0's join)."""
     from functools import partial
 
-    from qarl.dist import RayRanks, connect, node_address  # Ray only when the recipe asks
+    from qarl.parallel import RayRanks, connect, node_address  # Ray only when the recipe asks
 
     world = config.dist.learner_ranks
     connect(config.dist.address)
-    ranks = RayRanks(partial(follower, config=config), world, config.dist.cpus_per_rank)
+    ranks = RayRanks(partial(follower.body, config=config), world, config.dist.cpus_per_rank)
     try:
         # the store listens on every interface; the followers reach it at this node's address
         store = dist.TCPStore("0.0.0.0", 0, world, is_master=True, timeout=COLLECTIVE_TIMEOUT,
@@ -166,15 +175,9 @@ def ray_followers(config: RunConfig):
         ranks.close()
 
 
-def _run_local_follower(rank: int, world: int, init_file: str, recipe: str, parent: int) -> int:
-    """The body of `python -m qarl.train.launch`: a local follower of rank 0 (pid `parent`)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: rank 0 stops the run, then us
-    exit_with_parent(parent)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    return follower(rank, world, init_file, load_config(recipe))
-
-
-if __name__ == "__main__":
+def follower_main(body: Callable[[int, int, object, RunConfig], int]) -> None:
+    """The `__main__` of a local follower's module: `python -m MODULE RANK WORLD INIT_FILE
+    RECIPE PARENT` runs `body` as rank RANK of rank 0 (pid PARENT) and exits with its code."""
     parser = argparse.ArgumentParser(description="A follower learner rank (started by qarl train).")
     parser.add_argument("rank", type=int)
     parser.add_argument("world", type=int)
@@ -182,4 +185,7 @@ if __name__ == "__main__":
     parser.add_argument("recipe")
     parser.add_argument("parent", type=int, help="rank 0's pid: the follower ends with it")
     args = parser.parse_args()
-    sys.exit(_run_local_follower(args.rank, args.world, args.init_file, args.recipe, args.parent))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: rank 0 stops the run, then us
+    exit_with_parent(args.parent)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))
+    sys.exit(body(args.rank, args.world, args.init_file, load_config(args.recipe)))

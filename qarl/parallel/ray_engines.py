@@ -28,7 +28,7 @@ import torch
 from ray.exceptions import ActorUnavailableError, RayActorError
 from torch import Tensor
 
-from qarl.quant import QWeight, quant_layers
+from qarl.quant import QWeight
 from qarl.types import RolloutBatch, SamplingParams, concat_batches
 
 _RESTART_TIMEOUT_S = 300  # a restarted actor rebuilds its engine: loads and quantizes the model
@@ -74,7 +74,7 @@ class EngineWorker:
 
     def qweights(self) -> dict[str, QWeight]:
         """The codes and scales this engine decodes with, per quantized layer."""
-        return {name: layer.qweight() for name, layer in quant_layers(self.engine.model).items()}
+        return self.engine.qweights()
 
     def pid(self) -> int:
         return os.getpid()
@@ -82,7 +82,7 @@ class EngineWorker:
 
 class RayEngines:
     """`num_workers` engines, actor k's built by `factory(k)` in that actor; implements
-    `qarl.rollout.Engine`. Needs a connected Ray (`qarl.dist.connect`). Each actor reserves
+    `qarl.rollout.Engine`. Needs a connected Ray (`qarl.parallel.connect`). Each actor reserves
     `cpus_per_worker` CPUs (Ray sets its torch threads to that) and `gpus_per_worker` GPUs."""
 
     # Called before each generate / score is dispatched (the trainer's stop-signal check).

@@ -29,17 +29,20 @@ tokens whose learner top-k expert set differs from the engine's, averaged over M
 own top-k, given the replayed experts of the layers below, as training logs it).
 See docs/alignment.md for what the numbers mean and a measured matrix.
 
-`engine="vllm"`: the samples come from a `VLLMEngine` (vLLM in this process, fed qarl's codes
-in compressed-tensors layout) instead of the local engine; the alignments are `naive` and
-`fake` (the learner cannot run vLLM's kernels) and the schemes those vLLM serves here
-(`qarl.rollout.vllm_support.served_schemes`), in the dtype `rollout.vllm_dtype = "auto"`
-chooses on this machine (each row's `engine` says which).
+`engine` names the sampler in `qarl.rollout.ENGINES` (the trainer's table): with "vllm" the
+samples come from a `VLLMEngine` (vLLM in this process, fed qarl's codes in compressed-tensors
+layout) instead of the local engine; the alignments are those the engine serves (`naive` and
+`fake`: the learner cannot run vLLM's kernels) and the schemes it serves here, in the dtype
+`rollout.vllm_dtype = "auto"` chooses on this machine (each row's `engine` says which). A
+sampler's files (vLLM's starting policy) live in a temporary folder removed with the scheme's
+rows. Prompts are templated by the trainer's own `PromptEncoder`.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -48,12 +51,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from qarl.config import QuantSection
-from qarl.rollout.vllm_support import VLLM_ALIGNS
+from qarl.config import QuantSection, TaskSection
+from qarl.errors import UserError
+from qarl.quant import ALIGNS, SCHEMES, scheme_options
+from qarl.rollout import ENGINES
+from qarl.tasks import make_task
+from qarl.train.setup import PromptEncoder
 from qarl.types import RolloutBatch, SamplingParams
-
-ALIGNS = ("naive", "fake", "kernel")
-ENGINES = ("local", "vllm")
 DECODE_REPLAY, FULL_SEQUENCE = "decode-replay", "full-sequence"
 # Response-position buckets (start positions); empty buckets are left out of a row.
 POSITION_BUCKETS = (0, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -78,16 +82,23 @@ class Arm:
 
 def check_names(schemes: Sequence[str], aligns: Sequence[str], options: dict | None = None,
                 engine: str = "local") -> None:
-    """Raise one ValueError naming every unknown scheme / alignment (and the valid ones),
-    every scheme that does not take the quant `options` given, and with engine "vllm" every
-    alignment or scheme vLLM cannot be measured with here."""
-    from qarl.quant import SCHEMES, scheme_options
-
+    """Raise one UserError naming every unknown scheme / alignment / engine (and the valid
+    ones), every scheme that does not take the quant `options` given, and every alignment or
+    scheme the engine cannot be measured with here (`qarl.rollout.ENGINES`)."""
     problems = []
-    if engine not in ENGINES:
+    kind = ENGINES.get(engine)
+    if kind is None:
         problems.append(f"unknown engine {engine!r}; valid: {list(ENGINES)}")
-    elif engine == "vllm":
-        problems += _vllm_problems(schemes, aligns)
+    else:
+        if not kind.installed():
+            problems.append(f"engine {engine!r} needs the {kind.package} package; {kind.install}")
+        problems += [f"alignment {a!r} cannot be measured with engine {engine!r} (the learner "
+                     f"cannot run its kernels); use {list(kind.aligns)}"
+                     for a in aligns if a in ALIGNS and a not in kind.aligns]
+        unserved = [s for s in schemes if s in SCHEMES and s not in kind.schemes()]
+        if unserved:
+            problems.append(f"scheme(s) {unserved} are not served by engine {engine!r} on this "
+                            f"machine; valid: {list(kind.schemes())}")
     bad_schemes = [s for s in schemes if s not in SCHEMES]
     if bad_schemes:
         problems.append(f"unknown scheme(s) {bad_schemes}; valid: {sorted(SCHEMES)}")
@@ -104,46 +115,21 @@ def check_names(schemes: Sequence[str], aligns: Sequence[str], options: dict | N
             problems.append(f"scheme {scheme!r} takes no quant option(s) {unknown} (valid: "
                             f"{sorted(valid)}); measure it without them")
     if problems:
-        raise ValueError("qarl parity: " + "; ".join(problems))
-
-
-def _vllm_problems(schemes: Sequence[str], aligns: Sequence[str]) -> list[str]:
-    from qarl.rollout.vllm_support import served_schemes
-
-    served = served_schemes()
-    problems = [f"alignment {a!r} cannot be measured with vLLM (the learner cannot run its "
-                f"kernels); use {list(VLLM_ALIGNS)}" for a in aligns if a not in VLLM_ALIGNS]
-    unserved = [s for s in schemes if s not in served]
-    if unserved:
-        problems.append(f"scheme(s) {unserved} are not served by vLLM on this machine; "
-                        f"valid: {list(served)}")
-    return problems
-
-
-def _make_engine(engine: str, model, tokenizer, folder):
-    from qarl.rollout import LocalEngine
-
-    if engine == "vllm":
-        from qarl.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine.from_tokenizer(model, tokenizer, folder)
-    return LocalEngine.from_tokenizer(model, tokenizer)
+        raise UserError("; ".join(problems))
 
 
 def encode_prompts(tokenizer, num_prompts: int, seed: int) -> list[list[int]]:
-    """Held-out one-digit addition prompts, in the chat template when the tokenizer has one."""
-    from qarl.tasks import make_task
-
-    examples = make_task("addition", digits=1).examples("eval", num_prompts, seed)
-    if tokenizer.hf.chat_template is not None:
-        return [tokenizer.apply_chat(ex.prompt, system=ex.system, tokenize=True) for ex in examples]
-    return [tokenizer.encode(ex.prompt) for ex in examples]
+    """Held-out one-digit addition prompts, templated as the trainer templates them (the
+    recipe's defaults: the task's system prompt, the chat template when the tokenizer has
+    one)."""
+    task_section = TaskSection(name="addition", options={"digits": 1})
+    task = make_task("addition", digits=1)
+    examples = task.examples("eval", num_prompts, seed)
+    return PromptEncoder(task_section, tokenizer, task).encode_prompts(examples)
 
 
 def _engine_codes(engine) -> dict[str, dict[str, Tensor]]:
-    from qarl.quant import quant_layers
-
-    return {name: layer.qweight().tensors() for name, layer in quant_layers(engine.model).items()}
+    return {name: qw.tensors() for name, qw in engine.qweights().items()}
 
 
 def _check_same_codes(before: dict, after: dict, scheme: str, align: str) -> None:
@@ -175,51 +161,57 @@ def run_arms(
     the include / exclude / options used for every scheme; its scheme and align are replaced.
     `engine`: what samples the batch, "local" or "vllm"."""
     from qarl.model import load_model, load_tokenizer
-    from qarl.quant import SCHEMES, export_state, quant_layers
+    from qarl.quant import export_state, quant_layers
     from qarl.rollout import LocalEngine
-    from qarl.train.learner import response_logprobs
+    from qarl.train.logprobs import response_logprobs
     from qarl.train.setup import engine_copy, quantize_learner
-
-    import tempfile
 
     quant = quant if quant is not None else QuantSection()
     check_names(schemes, aligns, quant.options, engine)
+    kind = ENGINES[engine]
     tokenizer = load_tokenizer(model_name)
     pristine = load_model(model_name)
+    moe = bool(pristine.config.moe_layers)
+    if moe and kind.dense_only:
+        raise UserError(f"engine {engine!r} takes dense models only; {model_name!r} is a "
+                        "mixture-of-experts model: measure it with the local engine")
     prompts = encode_prompts(tokenizer, num_prompts, seed)
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
+    longest = max(map(len, prompts)) + max_new_tokens
     # MoE: rows without and with routing replay (the local engine records the experts it used)
-    moe = bool(pristine.config.moe_layers)
-    replays = ((False, True) if engine == "local" else (False,)) if moe else (None,)
+    replays = (False, True) if moe else (None,)
     for scheme in schemes:
         identity = SCHEMES[scheme].is_identity
-        sampler = _make_engine(engine, engine_copy(pristine, quant.model_copy(
-            update={"scheme": scheme})), tokenizer, Path(tempfile.mkdtemp(prefix="qarl-parity-")))
-        batch = sampler.generate(prompts, sampling, seed=seed)
-        sampled_with = _engine_codes(sampler)
-        sampled_by = f"vllm {sampler.dtype}" if engine == "vllm" else "local"
-        # The identity scheme: every alignment builds the same plain learner; measure it once.
-        for align in aligns if not identity else ("naive",):
-            start = time.perf_counter()
-            learner = quantize_learner(copy.deepcopy(pristine),
-                                       quant.model_copy(update={"scheme": scheme, "align": align}))
-            sampler.load_weights(export_state(learner))
-            _check_same_codes(sampled_with, _engine_codes(sampler), scheme, align)
-            scorer = LocalEngine.from_tokenizer(learner, tokenizer)
-            layers = tuple(quant_layers(learner))
-            for replay in replays:
-                old_logp, routing = scorer.score_routing(batch, sampling, replay=bool(replay))
-                yield Arm(scheme, align, DECODE_REPLAY, old_logp, batch,
-                          time.perf_counter() - start, layers, replay, routing,
-                          engine=sampled_by)
-                if include_full_sequence and (align == "kernel" or identity):
-                    start = time.perf_counter()
-                    with torch.no_grad():
-                        fast, _ = response_logprobs(learner, batch, temperature,
-                                                    routing_replay=bool(replay))
-                    yield Arm(scheme, align, FULL_SEQUENCE, fast, batch,
-                              time.perf_counter() - start, layers, replay, engine=sampled_by)
+        with tempfile.TemporaryDirectory(prefix="qarl-parity-") as folder:
+            sampler = kind.build(engine_copy(pristine, quant.model_copy(update={"scheme": scheme})),
+                                 tokenizer, Path(folder), max_context=None, longest=longest,
+                                 seed=seed, vllm_dtype="auto")
+            batch = sampler.generate(prompts, sampling, seed=seed)
+            sampled_with = _engine_codes(sampler)
+            # The identity scheme: every alignment builds the same plain learner: measured once.
+            for align in aligns if not identity else ("naive",):
                 start = time.perf_counter()
+                learner = quantize_learner(copy.deepcopy(pristine),
+                                           quant.model_copy(update={"scheme": scheme, "align": align}))
+                sampler.load_weights(export_state(learner))
+                _check_same_codes(sampled_with, _engine_codes(sampler), scheme, align)
+                scorer = LocalEngine.from_tokenizer(learner, tokenizer)  # the learner's replay
+                layers = tuple(quant_layers(learner))
+                for replay in replays:
+                    old_logp, routing = scorer.score_routing(batch, sampling, replay=bool(replay))
+                    yield Arm(scheme, align, DECODE_REPLAY, old_logp, batch,
+                              time.perf_counter() - start, layers, replay, routing,
+                              engine=kind.label(sampler))
+                    if include_full_sequence and (align == "kernel" or identity):
+                        start = time.perf_counter()
+                        with torch.no_grad():
+                            fast, _ = response_logprobs(learner, batch, temperature,
+                                                        routing_replay=bool(replay))
+                        yield Arm(scheme, align, FULL_SEQUENCE, fast, batch,
+                                  time.perf_counter() - start, layers, replay,
+                                  engine=kind.label(sampler))
+                    start = time.perf_counter()
+            sampler.close()
 
 
 def arm_row(arm: Arm) -> dict:

@@ -1,8 +1,8 @@
 """FSDP2 learner ranks (`dist.learner_strategy = "fsdp"`): weights, gradients and optimizer
 state sharded over the ranks.
 
-With "replicate" (the default, `qarl.train.ranks`) every rank holds the whole learner and its
-optimizer state, and the gradients are all-reduced. With "fsdp" each rank holds 1/M of every
+With "replicate" (the default, `qarl.parallel.ranks`) every rank holds the whole learner and
+its optimizer state, and the gradients are all-reduced. With "fsdp" each rank holds 1/M of every
 parameter, of its gradient and of AdamW's moments: `torch.distributed.fsdp.fully_shard` on
 every decoder block and on the root, so a block's weights are gathered for its forward and
 backward only, and the backward reduce-scatters the gradients, SUMMED (not averaged: the loss
@@ -11,8 +11,9 @@ on rank j mod M, so the gradients are those of the replicated ranks.
 
 The other ranks start from a skeleton (`qarl.model.load_skeleton`, on the meta device): only
 their shards are ever allocated, filled from rank 0 (`ShardedLearner.load`).
-Rank 0 keeps its full learner (`Policy.learner`, no gradients, no optimizer state) for what
-reads whole weights: the old_logp replay, the weight sync, evaluation and checkpoints. After
+Rank 0 keeps its whole learner (`qarl.train.follow.FsdpLearner.model`: no gradients, no
+optimizer state) for what reads whole weights: the old_logp replay, the weight sync,
+evaluation and checkpoints. After
 every update the shards are gathered into it (`ShardedLearner.publish`, a collective: rank 0
 receives, the others send). Its optimizer objects hold state only while a checkpoint is
 written (`full_optimizer_state`), in the layout a one-rank run writes, so a run can resume
@@ -35,10 +36,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard
 
-from qarl.config import TrainSection
+from collections.abc import Callable
+
 from qarl.model import CausalLM
 from qarl.quant import quant_layers
-from qarl.train.optim import build_optimizer
 
 _TO_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets the whole
 _FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -60,14 +61,14 @@ def shard_model(model: CausalLM) -> CausalLM:
 class ShardedLearner:
     """This rank's shards of the learner and its optimizers."""
 
-    def __init__(self, model: CausalLM, train: TrainSection):
+    def __init__(self, model: CausalLM, optimizers: Callable[[CausalLM], list]):
         """`model`: whole, or a skeleton on the meta device (`qarl.model.load_skeleton`:
-        its shards are allocated here and filled by `load`)."""
+        its shards are allocated here and filled by `load`); `optimizers(module)` builds the
+        run's optimizers over the sharded module."""
         self.model = shard_model(model)
         if any(p.is_meta for p in self.model.parameters()):
             self.model.to_empty(device="cpu")
-        self.optimizers = build_optimizer(self.model, train.optimizer, train.lr,
-                                          train.weight_decay, tuple(train.betas))
+        self.optimizers = optimizers(self.model)
         for opt in self.optimizers:  # stepped shards are gathered into a reused buffer
             opt.register_step_post_hook(lambda *_: self.forget())
 
@@ -112,24 +113,6 @@ class ShardedLearner:
         the gathered weights again."""
         for layer in quant_layers(self.model).values():
             layer.forget()
-
-
-class ShardedReplica:
-    """What `update_policy` reads of a `Policy`, for an FSDP rank: the sharded learner; a
-    replay (later epochs) computed by rank 0 on its whole learner and broadcast."""
-
-    def __init__(self, sharded: ShardedLearner, ranks, routing_replay: bool = False,
-                 whole: CausalLM | None = None, scorer=None):
-        self.sharded, self.ranks, self.routing_replay = sharded, ranks, routing_replay
-        self.learner = sharded.model
-        self.whole, self.scorer = whole, scorer  # rank 0 only
-
-    def replay(self, batch, sampling):
-        self.sharded.publish(self.whole)
-        logp = None
-        if self.scorer is not None:
-            logp = self.scorer.score_routing(batch, sampling, replay=self.routing_replay)[0]
-        return self.ranks.broadcast(logp)
 
 
 def clear_state(optimizers: list) -> None:

@@ -15,7 +15,7 @@ import torch
 from qarl.cli import main
 from qarl.config import QuantSection
 from qarl.quant import SCHEMES
-from qarl.train.parity import (
+from qarl.cli.parity_matrix import (
     ALIGNS, DECODE_REPLAY, FULL_SEQUENCE, arm_row, check_names, format_table, parity_matrix,
     run_arms,
 )

@@ -1,0 +1,90 @@
+"""The math of the learner's logprobs (`qarl.train.learner.Learner` holds the learner).
+
+Two ways to compute logp(response | prompt) for a RolloutBatch:
+
+- `response_logprobs` (with grad): one full-sequence forward of prompt + response, then
+  lm_head + log-softmax in chunks of `chunk_tokens` response positions, each chunk under
+  activation checkpointing, so no [N, L, vocab] float32 tensor is ever kept for the batch
+  (only [chunk, vocab] at a time; the chunk's logits are recomputed in backward).
+- the replay (no grad, exact; `Learner.replay`): the engine's own prefill +
+  decode path with the sampled tokens forced instead of drawn (`LocalEngine.score` on a
+  LocalEngine around the learner model). On CPU this is what makes
+  `old_logp == rollout_logp` bit for bit: same kernels, same shapes, same summation order.
+  A full-sequence forward computes the same function with other shapes (attention over a KV
+  cache vs a causal pass, other GEMM paths): ~1e-6 apart in full precision, but activation
+  quantizers amplify that into whole rounding steps (smollm2-135m W8A8: ~0.1 nats mean).
+  The replay must also use the batch shape that was sampled. Figures: docs/alignment.md.
+
+`aligned_logprobs` combines them for the update: the value of the exact path with the
+gradient of the fast one, `logp = exact + (fast - sg(fast))`. Its value is bit-identical to
+`exact` (x - x = 0 exactly) and its gradient is the fast path's, which runs the same
+quantized linears (QuantLinear kernel mode, straight-through) and differs from the exact path
+only by reduction order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from qarl.model.decoder import CausalLM, Routing, positions_from_mask
+from qarl.rollout.sampling import token_logprobs
+from qarl.types import RolloutBatch
+
+
+def _chunk_logprobs_and_entropy(lm_head, hidden: Tensor, tokens: Tensor, temperature: float):
+    # hidden: [C, H], tokens: [C] -> logp [C] float32, entropy [C] float32 (no grad)
+    logits = lm_head(hidden)
+    logp = token_logprobs(logits, tokens, temperature)
+    with torch.no_grad():
+        logz = torch.log_softmax(logits.float() / temperature, dim=-1)  # [C, V]
+        # H = -sum_v p_v log p_v
+        entropy = -(logz.exp() * logz).sum(-1)
+    return logp, entropy
+
+
+def response_logprobs(
+    model: CausalLM, batch: RolloutBatch, temperature: float = 1.0, chunk_tokens: int = 512,
+    routing_replay: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Teacher-forced logprobs of the response tokens: ([N, L] float32, entropy [N, L]).
+
+    Both are 0 on padding. Gradients reach every parameter through the chunked lm_head.
+    routing_replay: MoE layers use the batch's `routed_experts` (the engine's choice).
+    """
+    ids = batch.sequence_ids()  # [N, P + L]
+    seq_mask = batch.sequence_mask()  # [N, P + L]
+    P, L = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    routing = Routing(replay=batch.routed_experts) if routing_replay else None
+    hidden = model(ids, positions=positions_from_mask(seq_mask), key_mask=seq_mask,
+                   routing=routing)  # [N, P+L, H]
+    # The hidden state at column P-1+t predicts response token t.
+    predicting = hidden[:, P - 1 : P - 1 + L]  # [N, L, H]
+    mask = batch.response_mask
+    flat_hidden = predicting[mask]  # [T, H] response tokens only: padding costs nothing
+    flat_tokens = batch.response_ids[mask]  # [T]
+    logps, entropies = [], []
+    for start in range(0, flat_tokens.numel(), chunk_tokens):
+        h = flat_hidden[start : start + chunk_tokens]
+        y = flat_tokens[start : start + chunk_tokens]
+        if torch.is_grad_enabled() and h.requires_grad:
+            lp, ent = checkpoint(
+                _chunk_logprobs_and_entropy, model.lm_head, h, y, temperature, use_reentrant=False
+            )
+        else:
+            lp, ent = _chunk_logprobs_and_entropy(model.lm_head, h, y, temperature)
+        logps.append(lp)
+        entropies.append(ent)
+    logp = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    entropy = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    if logps:
+        logp = logp.masked_scatter(mask, torch.cat(logps))
+        entropy = entropy.masked_scatter(mask, torch.cat(entropies).detach())
+    return logp, entropy
+
+
+def aligned_logprobs(fast_logp: Tensor, exact_logp: Tensor) -> Tensor:
+    """Value of `exact_logp`, gradient of `fast_logp` (both [N, L] float32)."""
+    return exact_logp.detach() + (fast_logp - fast_logp.detach())
+

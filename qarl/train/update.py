@@ -1,0 +1,198 @@
+"""The learner's update: `algo.epochs` epochs of micro-batched backward passes, each ended by
+one optimizer step, with the guards. `qarl.train.learner.Learner.update` runs it.
+
+One function serves every learner. What differs between one process and learner ranks is
+only which micro-batches a rank computes and how sums cross ranks, and that is a
+`Collectives` object: `SOLO` (a world of one: every micro-batch, identities) here,
+`qarl.parallel.ranks.RankGroup` (collectives) on ranks. So the update reads the same on one
+process and on M ranks.
+
+The loss is aggregated with counts of the WHOLE batch (`global_counts`), so how the batch is
+split into micro-batches (or ranks) does not change the update. logp takes its value from
+the engine's decode path (`exact`) and its gradient from the fast forward
+(`aligned_logprobs`). Guards: no advantage to learn from (every one 0) is a no-op
+(`guard/no_signal`); a non-finite loss, gradient or optimizer setting drops the epoch's step
+and ends the update (`guard/nonfinite`): weights and optimizer state stay as they were; a
+step that leaves weights non-finite all the same raises `NonFiniteWeights`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from qarl.algo import LOSSES, Correction, apply_corrections, global_counts, metrics_to_floats
+from qarl.config import AlgoSection, TrainSection
+from qarl.train.guards import check_weights, settings_finite
+from qarl.train.logprobs import aligned_logprobs, response_logprobs
+from qarl.train.optim import learning_rate, set_learning_rate
+from qarl.train.phases import Experience
+
+
+class Collectives(Protocol):
+    """How one update's work and sums are shared among learner ranks."""
+
+    lockstep: bool  # every rank must run every backward (FSDP: backward is a collective)
+
+    def micro_batches(self, starts: range) -> range: ...
+    def sum_gradients(self, model: torch.nn.Module) -> None: ...
+    def all_true(self, flag: bool) -> bool: ...
+    def sum_floats(self, values: list[float]) -> list[float]: ...
+    def sum_metrics(self, totals: dict[str, float]) -> dict[str, float]: ...
+    def clip_gradients(self, params: list[Tensor], max_norm: float) -> float: ...
+    def local(self, tensor: Tensor) -> Tensor: ...
+
+
+class _Solo:
+    """A world of one: this process computes every micro-batch; every sum is its own."""
+
+    lockstep = False
+
+    def micro_batches(self, starts: range) -> range:
+        return starts
+
+    def sum_gradients(self, model: torch.nn.Module) -> None:
+        pass
+
+    def all_true(self, flag: bool) -> bool:
+        return flag
+
+    def sum_floats(self, values: list[float]) -> list[float]:
+        return values
+
+    def sum_metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        return totals
+
+    def clip_gradients(self, params: list[Tensor], max_norm: float) -> float:
+        if max_norm > 0:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+
+    def local(self, tensor: Tensor) -> Tensor:
+        return tensor
+
+
+SOLO = _Solo()
+
+
+def loss_setup(algo: AlgoSection, exp: Experience) -> tuple[Correction, dict]:
+    """The step's rollout correction (computed once, on the whole batch, from old_logp) and
+    the loss parameters, including the whole batch's token / sequence counts."""
+    batch, old_logp = exp.batch, exp.old_logp
+    mask = batch.response_mask & exp.rows[:, None]  # [N, L] bool
+    specs = {algo.correction: algo.correction_params} if algo.correction else {}
+    correction = apply_corrections(specs, old_logp, batch.rollout_logp, mask, exp.advantages, old_logp)
+    # norm_len: the fixed length of seq-mean-token-sum-norm (Dr.GRPO), the response budget
+    params = {"norm_len": exp.sampling.max_new_tokens, **algo.loss_params}
+    if algo.aggregation is not None:
+        params["aggregation"] = algo.aggregation
+    params.update(global_counts(algo.loss, old_logp, batch.rollout_logp, correction.mask, **params))
+    return correction, params
+
+
+def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                  group: Collectives, exact: Callable[[Experience], Tensor], exp: Experience,
+                  algo: AlgoSection, train: TrainSection, step: int,
+                  routing_replay: bool = False) -> dict[str, float]:
+    """Train `module` with `optimizers` on `exp` (module docstring). `exact(exp)`: logp of the
+    batch by the engine's decode path with the current weights, [N, L] float32 (the value of
+    logp in epochs after the first; epoch 0 uses exp.old_logp, the same value)."""
+    lr = learning_rate(step, train.steps, train.lr, train.min_lr, train.warmup_steps, train.lr_schedule)
+    if not bool(exp.advantages[exp.rows].any()):
+        # Every loss is advantage-weighted: its gradient is exactly 0, so nothing to compute.
+        return {"policy/lr": lr, "guard/no_signal": 1.0, "guard/nonfinite": 0.0,
+                "policy/skipped_steps": 0.0}
+    correction, params = loss_setup(algo, exp)
+    set_learning_rate(optimizers, lr)
+    totals: dict[str, float] = {"guard/no_signal": 0.0, "guard/nonfinite": 0.0}
+    skipped = 0
+    module.train()
+    for epoch in range(algo.epochs):
+        # logp's value always comes from a decode-path replay of the WHOLE batch (the shape it
+        # was sampled with: a micro-batch replay is not exact, and on smollm2 W8A8 the
+        # activation quantizers amplify that to ~0.1 nats). In epoch 0 the learner is still
+        # the policy that old_logp replayed; later epochs replay once with the updated weights.
+        values = exp.old_logp if epoch == 0 else exact(exp)
+        entropy_sum, entropy_count, finite = accumulate_gradients(
+            module, exp, values, algo, correction, params, train.micro_batch_size, group,
+            totals, routing_replay)
+        finite = group.all_true(finite)
+        group.sum_gradients(module)
+        entropy_sum, entropy_count = group.sum_floats([entropy_sum, entropy_count])
+        if epoch == 0:
+            totals["policy/entropy"] = entropy_sum / max(1, entropy_count)
+        grad_norm, outcome = optimizer_step(module, optimizers, train.grad_clip, finite, group)
+        skipped += outcome == "zero"
+        if outcome == "nonfinite":
+            totals["guard/nonfinite"] = 1.0
+            break
+    module.eval()
+    totals = {**group.sum_metrics({k: v for k, v in totals.items() if k.startswith("loss/")}),
+              **{k: v for k, v in totals.items() if not k.startswith("loss/")}}
+    totals.update(metrics_to_floats({f"correction/{k}": v for k, v in correction.metrics.items()}))
+    totals["policy/grad_norm"] = grad_norm
+    totals["policy/lr"] = lr
+    totals["policy/skipped_steps"] = skipped
+    return totals
+
+
+def accumulate_gradients(module: torch.nn.Module, exp: Experience, exact: Tensor,
+                         algo: AlgoSection, correction: Correction, params: dict,
+                         micro_batch_size: int, group: Collectives, totals: dict[str, float],
+                         routing_replay: bool = False) -> tuple[float, int, bool]:
+    """One epoch's backward passes over this rank's micro-batches; adds each loss metric
+    (weighted by its share of the rows and epochs) to `totals`. Returns (entropy sum,
+    response tokens, every loss finite); stops at the first non-finite loss, except where
+    every rank must run every backward (`group.lockstep`: the step is dropped all the same)."""
+    batch, N = exp.batch, exp.batch.num_sequences
+    entropy_sum, entropy_count, finite = 0.0, 0, True
+    for start in group.micro_batches(range(0, N, micro_batch_size)):
+        idx = torch.arange(start, min(N, start + micro_batch_size))
+        sub = batch.select(idx)
+        fast, entropy = response_logprobs(module, sub, exp.sampling.temperature,
+                                          routing_replay=routing_replay)
+        logp = aligned_logprobs(fast, exact[idx])  # value: exact; gradient: fast
+        loss, metrics = LOSSES[algo.loss](
+            logp, exp.old_logp[idx], sub.rollout_logp, exp.advantages[idx], correction.mask[idx],
+            is_weights=correction.weights[idx], **params,
+        )
+        share = len(idx) / N / algo.epochs
+        for key, value in metrics_to_floats(metrics).items():
+            totals[f"loss/{key}"] = totals.get(f"loss/{key}", 0.0) + share * value
+        if not bool(torch.isfinite(loss)):
+            if not group.lockstep:
+                return entropy_sum, entropy_count, False
+            finite = False
+        loss.backward()
+        entropy_sum += float((entropy * sub.response_mask).sum())
+        entropy_count += int(sub.response_mask.sum())
+    return entropy_sum, entropy_count, finite
+
+
+def optimizer_step(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                   grad_clip: float, loss_finite: bool = True,
+                   group: Collectives = SOLO) -> tuple[float, str]:
+    """Clip, step and clear the gradients; return the gradient norm before clipping and what
+    happened: "stepped"; "nonfinite" (a loss, the gradient or a number of the optimizer's
+    settings, e.g. the learning rate, was not finite: no step, the weights and the optimizer's
+    moments stay as they were); "zero" (no learning signal, e.g. every row masked: no step, or
+    Adam's momentum alone would keep moving the weights). A step that leaves a weight
+    non-finite all the same raises NonFiniteWeights before the weights go anywhere."""
+    params = [p for p in module.parameters() if p.grad is not None]
+    grad_norm = group.clip_gradients(params, grad_clip) if params else 0.0
+    if not loss_finite or not math.isfinite(grad_norm) or not settings_finite(optimizers):
+        outcome = "nonfinite"
+    elif grad_norm == 0:
+        outcome = "zero"
+    else:
+        outcome = "stepped"
+        for opt in optimizers:
+            opt.step()
+        check_weights([(n, group.local(p)) for n, p in module.named_parameters()])
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
+    return grad_norm, outcome

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 # subcommand -> (module, one-line help). The module owns its arguments and behaviour.
@@ -43,6 +44,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_OVERRIDE = re.compile(r"--[A-Za-z_]\w*\.[\w.]+(=.*)?", re.S)  # --section.key[=value]
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the recipe overrides, the other arguments): `--section.key=value`, or `--section.key`
+    followed by its value."""
+    overrides, others, i = [], [], 0
+    while i < len(argv):
+        match = _OVERRIDE.fullmatch(argv[i])
+        if match is None:
+            others.append(argv[i])
+        else:
+            overrides.append(argv[i])
+            if match.group(1) is None and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                overrides.append(argv[i + 1])
+                i += 1
+        i += 1
+    return overrides, others
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -53,12 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     p = argparse.ArgumentParser(prog=f"qarl {name}", description=COMMANDS[name][1])
     module.add_arguments(p)
-    args, rest = p.parse_known_args(argv[1:])
     # Recipe overrides (--section.key=value) are checked by the config layer, which names
-    # the closest valid key; other unknown arguments are argparse errors.
-    if rest and not getattr(module, "ACCEPTS_OVERRIDES", False):
+    # the closest valid key; other unknown arguments are argparse errors. They are taken out
+    # before argparse sees them: it reads an argument holding a space (a TOML table value such
+    # as --quant.options={group_size = 64}) as a positional one.
+    accepts = getattr(module, "ACCEPTS_OVERRIDES", False)
+    overrides, others = split_overrides(argv[1:]) if accepts else ([], argv[1:])
+    args, rest = p.parse_known_args(others)
+    if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
-    args.overrides = rest
+    args.overrides = overrides
     from qarl.errors import UserError
 
     try:

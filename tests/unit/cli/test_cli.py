@@ -38,3 +38,15 @@ def test_bad_recipe_fails_before_any_work(capsys):
     assert code == 2
     assert "algo.los: unknown key 'los'; did you mean 'loss'?" in err
     assert "rollout.batch_size: 30 is not a multiple of rollout.group_size (8)" in err
+
+
+def test_an_override_value_with_spaces_is_an_override():
+    """A TOML table value holds spaces (`--quant.options={group_size = 64}`): it is a recipe
+    override, not a positional argument (argparse alone reads it as one); `--key value` pairs
+    and the command's own flags are told apart."""
+    from qarl.cli import split_overrides
+
+    overrides, others = split_overrides(
+        ["tiny", "--quant.options={group_size = 64}", "--train.steps", "3", "--resume", "x"])
+    assert overrides == ["--quant.options={group_size = 64}", "--train.steps", "3"]
+    assert others == ["tiny", "--resume", "x"]

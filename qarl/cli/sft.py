@@ -15,6 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from qarl.config import load_config
+    from qarl.native.memory import tune_allocator
     from qarl.paths import qarl_home
     from qarl.train.sft import sft_key, warm_start
 
@@ -22,6 +23,7 @@ def run(args: argparse.Namespace) -> int:
     if config.sft.steps == 0:
         print(f"recipe {args.recipe!r} has sft.steps = 0: nothing to do (set --sft.steps=N)")
         return 1
+    tune_allocator()  # as qarl train does
     warm_start(config)
     print(qarl_home() / "sft" / sft_key(config))
     return 0

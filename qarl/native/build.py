@@ -27,7 +27,7 @@ from qarl.native.isa import cpu_flags
 SOURCES = [Path(__file__).with_name(name)
            for name in ("kernels.c", "kernels_s8.c", "attention.c", "decode.c")]
 # included by the sources: part of the hash
-HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "kernels.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "kernels.h", "kernels_s8_tile.h")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
 DISABLE_ENV = "QARL_NATIVE"  # QARL_NATIVE=0 turns the native kernels off
 
@@ -82,6 +82,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "qarl_linear_f32": [p, i64, i64, i64, p, i64, p, p, i64, p, i64, i32],
         "qarl_pack_s8": [p, i64, i64, i64, p, i32],
         "qarl_linear_s8_dynamic": [p, i64, i64, i64, p, p, i64, p, i64, i32],
+        "qarl_quantize_s8_rows": [p, i64, i64, i64, p, i64, p, i32],
+        "qarl_scale_s32": [p, i64, i64, p, p, p, i32],
+        "qarl_s8_isa": [],
+        "qarl_s8_set_isa": [i32],
         "qarl_pack_u4": [p, i64, i64, i64, p, i32],
         "qarl_linear_u4": [p, i64, i64, i64, p, p, p, i64, i64, i32, p, i64, i32],
         "qarl_decode_attention": [p, i64, i64, i64, i64, p, p, f32, p, p, i64, p, p, i64, i64,
@@ -94,6 +98,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name, args in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
+    lib.qarl_s8_isa.restype = lib.qarl_s8_set_isa.restype = i32
     return lib
 
 

@@ -87,6 +87,23 @@ def pack_s8(codes: Tensor, scales: Tensor) -> PackedS8:
     return PackedS8(out, ws, n, k)
 
 
+S8_ISAS = ("avx2", "avx_vnni", "avx512_vnni")  # the int8 GEMM's instruction sets, by level
+
+
+def s8_isa() -> str:
+    """The instruction set the int8 GEMM runs here: the best this CPU has (qarl_s8_isa)."""
+    return S8_ISAS[_lib().qarl_s8_isa()]
+
+
+def use_s8_isa(name: str) -> str:
+    """Run the int8 GEMM with `name` (of S8_ISAS; capped at what this CPU has) from now on:
+    for comparing the instruction sets, whose outputs are the same bits. Returns the one now
+    in use."""
+    if name not in S8_ISAS:
+        raise ValueError(f"unknown int8 instruction set {name!r}; valid: {list(S8_ISAS)}")
+    return S8_ISAS[_lib().qarl_s8_set_isa(S8_ISAS.index(name))]
+
+
 def linear_s8_dynamic(x: Tensor, w: PackedS8) -> Tensor:
     """W8A8 with dynamic per-token activations: x [M, K] float32 -> [M, N] float32,
     y = (sum_k q_x w_q) * s_x * s_w with (q_x, s_x) = numerics.int8_rows(x) computed in the
@@ -97,6 +114,31 @@ def linear_s8_dynamic(x: Tensor, w: PackedS8) -> Tensor:
     _lib().qarl_linear_s8_dynamic(x2.data_ptr(), m, w.k, w.k, w.data.data_ptr(),
                                   w.scales.data_ptr(), w.n, y.data_ptr(), w.n,
                                   _threads())
+    return y
+
+
+def quantize_s8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [M, K] float32 -> (codes [M, K] int8, scales [M] float32): numerics.int8_rows bit for
+    bit (the quantizer `linear_s8_dynamic` runs inside), one pass per row, rows in parallel."""
+    x2 = _rows(x, torch.float32, x.shape[-1], "quantize_s8_rows")
+    m, k = x2.shape
+    codes = torch.empty(m, k, dtype=torch.int8)
+    scales = torch.empty(m, dtype=torch.float32)
+    _lib().qarl_quantize_s8_rows(x2.data_ptr(), m, k, k, codes.data_ptr(), k, scales.data_ptr(),
+                                 _threads())
+    return codes, scales
+
+
+def scale_s32(acc: Tensor, xs: Tensor, ws: Tensor) -> Tensor:
+    """acc [M, N] int32 (an exact int8 GEMM), xs [M], ws [N] float32 -> (acc * xs) * ws [M, N]
+    float32, the same two rounded products as `acc.float() * xs[:, None] * ws[None]`, in one
+    pass."""
+    m, n = acc.shape
+    acc = acc.contiguous()
+    xs, ws = xs.float().contiguous(), ws.float().contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    _lib().qarl_scale_s32(acc.data_ptr(), m, n, xs.data_ptr(), ws.data_ptr(), y.data_ptr(),
+                          _threads())
     return y
 
 

@@ -58,12 +58,37 @@ def isa_levels(flags: set[str] | None = None) -> list[str]:
     return [name for name, needs in LEVELS if all(f in flags for f in needs)]
 
 
+# int8 dot products summed in int32 in one instruction (oneDNN's int8 GEMM uses them)
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def has_int8_dot(flags: set[str] | None = None) -> bool:
+    """Whether this CPU (`flags`, this CPU's when None) has VNNI or AMX-INT8."""
+    flags = cpu_flags() if flags is None else flags
+    return any(f in flags for f in INT8_DOT_FLAGS)
+
+
+# bf16 arithmetic in hardware (dot products of bf16 pairs, or AMX tiles); without it torch
+# runs bf16 GEMMs by conversion to fp32, slower than fp32 itself
+BF16_MATH_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def has_bf16_math(flags: set[str] | None = None) -> bool:
+    """Whether this CPU (`flags`, this CPU's when None) has AVX512-BF16 or AMX-BF16."""
+    flags = cpu_flags() if flags is None else flags
+    return any(f in flags for f in BF16_MATH_FLAGS)
+
+
 def machine() -> dict:
-    """What a benchmark figure depends on: CPU name, ISA levels, cores, torch threads."""
+    """What a benchmark figure depends on: CPU name, ISA levels, cores, torch threads, and
+    what qarl.native.memory did to the allocator."""
     import torch
+
+    from qarl.native.memory import allocator
 
     info = _cpuinfo()
     return {"cpu": cpu_name(), "cpu_id": f"{info.get('vendor_id', '?')} family "
             f"{info.get('cpu family', '?')} model {info.get('model', '?')}",
             "isa": isa_levels(), "cores": os.cpu_count(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "allocator": allocator()}

@@ -48,82 +48,75 @@ INLINE int32_t load4(const int8_t* p) {
     return v;
 }
 
-// c += the exact int32 sums of 4 products a[k] * w[n, k] for the 8 columns of wv.
-#define DOT4(c, a, absa, wv) \
-    c = _mm256_add_epi32(c, _mm256_madd_epi16(_mm256_maddubs_epi16(absa, _mm256_sign_epi8(wv, a)), ones))
+// The tile and its panel loop, once per instruction set (kernels_s8_tile.h): AVX2 as described
+// above, and VNNI, where vpdpbusd multiplies u8 x s8 and adds each group of 4 products to an
+// int32 lane without intermediate saturation: with the sign moved onto the weight as above, one
+// instruction does what vpmaddubsw + vpmaddwd + vpaddd do in AVX2. The sums are the same exact
+// integers, so every set gives the same bits (tested); only the speed differs.
 
-// y[r, n] = (float(sum_k x[r, k] w[n, k]) * xs[r]) * ws[n]: the exact int32 sum converted once
-// (round to nearest even, like torch's .float()), then the two scale products in that order.
-// x rows of Kq * 4 int8 (zero padded). Named accumulators: an array would be kept in memory.
-INLINE void tile_s8(int mr, int64_t Kq, const int8_t* x, int64_t ldx, const int8_t* w, int nc,
-                    const float* xs, const float* ws, const float* bias, const float* res,
-                    int64_t ldr, float* y, int64_t ldy) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00, c20 = c00,
-            c21 = c00, c30 = c00, c31 = c00;
-    for (int64_t kq = 0; kq < Kq; kq++) {
-        const int8_t* wk = w + kq * NR8 * 4;
-        __m256i w0 = _mm256_loadu_si256((const __m256i*)wk);
-        __m256i w1 = _mm256_loadu_si256((const __m256i*)(wk + 32));
-        __m256i a = _mm256_set1_epi32(load4(x + 4 * kq)), absa = _mm256_abs_epi8(a);
-        DOT4(c00, a, absa, w0);
-        DOT4(c01, a, absa, w1);
-        if (mr > 1) {
-            a = _mm256_set1_epi32(load4(x + ldx + 4 * kq)), absa = _mm256_abs_epi8(a);
-            DOT4(c10, a, absa, w0);
-            DOT4(c11, a, absa, w1);
-        }
-        if (mr > 2) {
-            a = _mm256_set1_epi32(load4(x + 2 * ldx + 4 * kq)), absa = _mm256_abs_epi8(a);
-            DOT4(c20, a, absa, w0);
-            DOT4(c21, a, absa, w1);
-        }
-        if (mr > 3) {
-            a = _mm256_set1_epi32(load4(x + 3 * ldx + 4 * kq)), absa = _mm256_abs_epi8(a);
-            DOT4(c30, a, absa, w0);
-            DOT4(c31, a, absa, w1);
-        }
+// c += the exact int32 sums of 4 products a[k] * w[n, k] for the 8 columns of wv.
+#define S8_DOT4(c, a, absa, wv) \
+    c = _mm256_add_epi32(c, _mm256_madd_epi16(_mm256_maddubs_epi16(absa, _mm256_sign_epi8(wv, a)), ones))
+#define S8_NAME(x) x##_avx2
+#define S8_TARGET "avx2,fma"
+#include "kernels_s8_tile.h"
+#undef S8_DOT4
+#undef S8_NAME
+#undef S8_TARGET
+
+#define S8_DOT4(c, a, absa, wv) c = _mm256_dpbusd_epi32(c, absa, _mm256_sign_epi8(wv, a))
+#define S8_NAME(x) x##_avx512vnni
+#define S8_TARGET "avx2,fma,avx512f,avx512vl,avx512vnni"
+#include "kernels_s8_tile.h"
+#undef S8_DOT4
+#undef S8_NAME
+#undef S8_TARGET
+
+#define S8_DOT4(c, a, absa, wv) c = _mm256_dpbusd_avx_epi32(c, absa, _mm256_sign_epi8(wv, a))
+#define S8_NAME(x) x##_avxvnni
+#define S8_TARGET "avx2,fma,avxvnni"
+#include "kernels_s8_tile.h"
+#undef S8_DOT4
+#undef S8_NAME
+#undef S8_TARGET
+
+// Which int8 arithmetic qarl_s8_panels runs: S8_AVX2, or a VNNI one where the CPU has it
+// (chosen at the first call from the CPU's own flags; qarl_s8_set_isa overrides, for tests).
+enum { S8_AUTO = -1, S8_AVX2 = 0, S8_AVXVNNI = 1, S8_AVX512VNNI = 2 };
+static int s8_isa = S8_AUTO;
+
+int qarl_s8_isa(void) {
+    if (s8_isa == S8_AUTO) {
+        __builtin_cpu_init();
+        s8_isa = (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl"))
+                     ? S8_AVX512VNNI
+                 : __builtin_cpu_supports("avxvnni") ? S8_AVXVNNI
+                                                     : S8_AVX2;
     }
-    __m256i acc[MR8][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}};
-    __m256 ws0 = _mm256_loadu_ps(ws), ws1 = _mm256_loadu_ps(ws + 8);
-    for (int r = 0; r < mr; r++) {
-        float tmp[NR8];
-        __m256 sx = _mm256_set1_ps(xs[r]);
-        _mm256_storeu_ps(tmp, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][0]), sx), ws0));
-        _mm256_storeu_ps(tmp + 8, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][1]), sx), ws1));
-        for (int j = 0; j < nc; j++) {  // then (+ bias) (+ residual), in that order
-            float v = tmp[j];
-            if (bias) v = v + bias[j];
-            if (res) v = v + res[r * ldr + j];
-            y[r * ldy + j] = v;
-        }
-    }
+    return s8_isa;
 }
 
-// The GEMM over rows already padded to whole quads (row stride ld = Kq * 4), its panels shared
-// among the threads of the enclosing parallel region (see kernels.h).
+// Force the int8 arithmetic (S8_AVX2 always runs; a VNNI level only where the CPU has it);
+// returns the level now in use.
+int qarl_s8_set_isa(int isa) {
+    int best = (s8_isa = S8_AUTO, qarl_s8_isa());
+    s8_isa = isa < S8_AVX2 ? best : (isa > best ? best : isa);
+    if (isa == S8_AVXVNNI && best == S8_AVX512VNNI) s8_isa = S8_AVX512VNNI;  // a superset
+    return s8_isa;
+}
+
 void qarl_s8_panels(const int8_t* x, int64_t M, int64_t Kq, int64_t ld, const float* xs,
                     const int8_t* wp, const float* ws, int64_t N, const float* bias,
                     const float* res, int64_t ldr, float* y, int64_t ldy) {
-    int64_t P = panels8(N);
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < P; p++) {
-        int64_t n0 = p * NR8;
-        int nc = N - n0 < NR8 ? (int)(N - n0) : NR8;
-        const int8_t* wpp = wp + p * Kq * 4 * NR8;
-        for (int64_t m0 = 0; m0 < M; m0 += MR8) {
-            int mr = M - m0 < MR8 ? (int)(M - m0) : MR8;
-            const int8_t* xm = x + m0 * ld;
-            float* ym = y + m0 * ldy + n0;
-            const float* b = bias ? bias + n0 : 0;
-            const float* rm = res ? res + m0 * ldr + n0 : 0;
-            switch (mr) {
-                case 4: tile_s8(4, Kq, xm, ld, wpp, nc, xs + m0, ws + n0, b, rm, ldr, ym, ldy); break;
-                case 3: tile_s8(3, Kq, xm, ld, wpp, nc, xs + m0, ws + n0, b, rm, ldr, ym, ldy); break;
-                case 2: tile_s8(2, Kq, xm, ld, wpp, nc, xs + m0, ws + n0, b, rm, ldr, ym, ldy); break;
-                default: tile_s8(1, Kq, xm, ld, wpp, nc, xs + m0, ws + n0, b, rm, ldr, ym, ldy); break;
-            }
-        }
+    switch (qarl_s8_isa()) {
+        case S8_AVX512VNNI:
+            panels_avx512vnni(x, M, Kq, ld, xs, wp, ws, N, bias, res, ldr, y, ldy);
+            break;
+        case S8_AVXVNNI:
+            panels_avxvnni(x, M, Kq, ld, xs, wp, ws, N, bias, res, ldr, y, ldy);
+            break;
+        default:
+            panels_avx2(x, M, Kq, ld, xs, wp, ws, N, bias, res, ldr, y, ldy);
     }
 }
 
@@ -155,6 +148,27 @@ void qarl_quantize_row_s8(const float* x, int64_t K, int8_t* q, float* scale) {
     for (; k < K; k++) {
         float v = __builtin_nearbyintf(x[k] / s);  // the default rounding mode: half to even
         q[k] = (int8_t)(v > 127.f ? 127.f : v < -127.f ? -127.f : v);
+    }
+}
+
+// Rows of x [M, K] (row stride ldx) quantized as above, in parallel over rows: codes [M, K]
+// (row stride ldq), scales [M]. The same bits as numerics.int8_rows, in one pass per row.
+void qarl_quantize_s8_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q,
+                           int64_t ldq, float* scales, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t m = 0; m < M; m++) qarl_quantize_row_s8(x + m * ldx, K, q + m * ldq, scales + m);
+}
+
+// y[m, n] = ((float)acc[m, n] * xs[m]) * ws[n]: an exact int32 GEMM result scaled as the
+// kernels above scale it (two rounded products, in that order), in one pass.
+void qarl_scale_s32(const int32_t* acc, int64_t M, int64_t N, const float* xs, const float* ws,
+                    float* y, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const int32_t* a = acc + m * N;
+        float* out = y + m * N;
+        const float s = xs[m];
+        for (int64_t n = 0; n < N; n++) out[n] = ((float)a[n] * s) * ws[n];
     }
 }
 

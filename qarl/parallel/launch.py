@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from qarl.config import RunConfig, load_config, save_resolved
+from qarl.native.memory import tune_allocator
 from qarl.parallel.ranks import COLLECTIVE_TIMEOUT, LearnerRankDied, RankGroup, join_group, leave_group
 
 # Before joining, a follower imports torch and qarl: seconds, minutes on a loaded machine.
@@ -188,4 +189,5 @@ def follower_main(body: Callable[[int, int, object, RunConfig], int]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: rank 0 stops the run, then us
     exit_with_parent(args.parent)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))
+    tune_allocator()  # as rank 0 does in qarl.train
     sys.exit(body(args.rank, args.world, args.init_file, load_config(args.recipe)))

@@ -66,15 +66,17 @@ def onednn_available(device: torch.device) -> bool:
 def exact_int8_gemm(xq: Tensor, wq: Tensor, method: str, chunks: list[Tensor] | None = None) -> Tensor:
     """Exact sum_k xq[m, k] wq[n, k] as int32 [M, N]. xq [M, K] int8, wq [N, K] int8.
 
-    method "int_mm" uses torch._int_mm; "sgemm" fp32 GEMMs over exact K-chunks, "onednn" the
+    method "int_mm" uses torch._int_mm (pass `chunks = wq.t().contiguous()`, cached: oneDNN is
+    ~10x slower on the transposed view); "sgemm" fp32 GEMMs over exact K-chunks, "onednn" the
     same on oneDNN-packed chunks (pass the cached `int8_chunks(wq, packed)` to skip converting
     the weight on every call). All three return the same int32 tensor.
     """
     if method == "int_mm":
         M = xq.shape[0]
+        wt = chunks[0] if chunks is not None else wq.t()  # [K, N]: a cached contiguous copy
         if xq.device.type == "cuda" and M <= 16:  # cuBLASLt int8 needs M > 16
-            return torch._int_mm(F.pad(xq, (0, 0, 0, 17 - M)), wq.t())[:M]
-        return torch._int_mm(xq, wq.t())
+            return torch._int_mm(F.pad(xq, (0, 0, 0, 17 - M)), wt)[:M]
+        return torch._int_mm(xq.contiguous(), wt)
     if method not in ("sgemm", "onednn"):
         raise ValueError(f"unknown int8 GEMM method {method!r}; valid: ['int_mm', 'onednn', 'sgemm']")
     chunks = int8_chunks(wq, method == "onednn") if chunks is None else chunks

@@ -114,6 +114,11 @@ class Scheme:
         computing exactly what `bound(qw, device)` computes; None otherwise."""
         return None
 
+    def native_rows(self, device: torch.device) -> int | None:
+        """Below how many rows the native operand is also the faster path (where another
+        kernel computing the same bits wins on more rows); None: at any number of rows."""
+        return None
+
     def prepared(self, qw: QWeight, device: torch.device, what: str, build) -> object:
         """Kernel-ready operand of `qw` for `device`, built once (layout only, never codes)."""
         key = (what, device)

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from qarl import native as nat
+from qarl.native.isa import has_int8_dot
 from qarl.quant import kernels as K
 from qarl.quant import numerics as nm
 from qarl.quant.qweight import QWeight
@@ -59,9 +60,10 @@ class NoneScheme(Scheme):
 @dataclass(frozen=True)
 class Int8Scheme(Scheme):
     """W8A8 int8: symmetric per-channel weights, dynamic symmetric per-token activations.
-    gemm: "auto" (CPU: native if it runs here, else onednn, else sgemm; CUDA: int_mm),
-    "native", "int_mm", "onednn" or "sgemm"; all give identical int32 accumulators and the
-    same scale products, hence identical outputs (see kernels.exact_int8_gemm).
+    gemm: "auto" (CUDA: int_mm; a CPU with VNNI or AMX-INT8: int_mm, oneDNN's int8 GEMM on
+    those instructions; else native if it runs here, else onednn, else sgemm), "native",
+    "int_mm", "onednn" or "sgemm"; all give identical int32 accumulators and the same scale
+    products, hence identical outputs (see kernels.exact_int8_gemm), on every CPU.
     QWeight: codes [N, K] int8 in [-127, 127]; scales [N] float32 (s = max|w| / 127)."""
 
     gemm: str = "auto"
@@ -78,6 +80,8 @@ class Int8Scheme(Scheme):
             return self.gemm
         if device.type == "cuda":
             return "int_mm"
+        if K.onednn_available(device) and has_int8_dot():
+            return "int_mm"  # 3-4x qarl.native's AVX2 int8 GEMM at every batch size measured
         if K.native_ok(device):
             return "native"
         return "onednn" if K.onednn_available(device) else "sgemm"
@@ -91,14 +95,20 @@ class Int8Scheme(Scheme):
         return qw.codes.float() * qw.scales[:, None]
 
     def act_qdq(self, x: Tensor) -> Tensor:
-        xq, xs = nm.int8_rows(x)
+        xq, xs = _int8_rows(x)
         return xq.float() * xs[:, None]
 
     def _native(self, qw: QWeight, device: torch.device) -> nat.PackedS8:
         return self.prepared(qw, device, "native-s8", lambda: nat.pack_s8(qw.codes, qw.scales))
 
     def native_operand(self, qw: QWeight, device: torch.device) -> tuple[nat.GemmKind, object] | None:
-        return (nat.GemmKind.S8, self._native(qw, device)) if self.method(device) == "native" else None
+        method = self.method(device)
+        if method == "native" or (method == "int_mm" and K.native_ok(device)):
+            return (nat.GemmKind.S8, self._native(qw, device))  # the same bits as int_mm
+        return None
+
+    def native_rows(self, device: torch.device) -> int | None:
+        return INT_MM_MIN_ROWS if self.method(device) == "int_mm" else None
 
     def bound(self, qw: QWeight, device: torch.device):
         if self.method(device) == "native":
@@ -108,16 +118,22 @@ class Int8Scheme(Scheme):
 
     def matmul(self, x: Tensor, qw: QWeight) -> Tensor:
         method = self.method(x.device)
+        if method == "int_mm" and x.shape[0] < INT_MM_MIN_ROWS and K.native_ok(x.device):
+            method = "native"  # faster at a few rows; the same exact sums, the same bits
         if method == "native":
             # int8_rows, the exact GEMM and (acc * s_x) * s_w, like the lines below, in one call
-            return self.bound(qw, x.device)(x)
-        xq, xs = nm.int8_rows(x)  # [M, K] int8, [M]
-        chunks = None
+            return nat.linear_s8_dynamic(x.float(), self._native(qw, x.device))
+        xq, xs = _int8_rows(x)  # [M, K] int8, [M]
+        operand = None
         if method in ("sgemm", "onednn"):
-            chunks = self.prepared(qw, x.device, method,
-                                   lambda: K.int8_chunks(qw.codes, method == "onednn"))
-        acc = K.exact_int8_gemm(xq, qw.codes, method, chunks)  # [M, N] int32, exact
+            operand = self.prepared(qw, x.device, method,
+                                    lambda: K.int8_chunks(qw.codes, method == "onednn"))
+        elif x.device.type == "cpu":  # int_mm: oneDNN is 10x faster on a contiguous [K, N]
+            operand = self.prepared(qw, x.device, "int_mm-kn", lambda: [qw.codes.t().contiguous()])
+        acc = K.exact_int8_gemm(xq, qw.codes, method, operand)  # [M, N] int32, exact
         # y = (acc * s_x) * s_w
+        if acc.device.type == "cpu" and K.native_ok(acc.device):
+            return nat.scale_s32(acc, xs, qw.scales)  # the same two products, one pass
         return acc.float() * xs[:, None] * qw.scales[None, :]
 
     def kernel_path(self, device: torch.device, qw: QWeight) -> str:
@@ -128,7 +144,23 @@ class Int8Scheme(Scheme):
         if method in ("sgemm", "onednn"):
             return (f"exact int8 GEMM as fp32 {method} on integer codes in K-chunks of 1024 "
                     "(= torch._int_mm bit for bit; _int_mm is slow on CPUs without VNNI)")
-        return "torch._int_mm (exact int32 accumulation)"
+        where = ("oneDNN on VNNI / AMX-INT8" if device.type == "cpu" and has_int8_dot()
+                 else "cuBLASLt" if device.type == "cuda" else "oneDNN")
+        return f"torch._int_mm ({where}: exact int32 accumulation)"
+
+
+# Below this many rows qarl.native's int8 GEMM (VNNI where the CPU has it) beats oneDNN's
+# torch._int_mm; from it on oneDNN is 2-4x faster (Intel Xeon, AVX512-VNNI, 2 threads:
+# qarl/native/README.md). Integer sums are exact, so the switch never changes a bit.
+INT_MM_MIN_ROWS = 16
+
+
+def _int8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """numerics.int8_rows of activations [M, K]: qarl.native's one-pass quantizer on a CPU
+    where it runs (the same bits, ~4x faster), else the torch ops."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and K.native_ok(x.device):
+        return nat.quantize_s8_rows(x)
+    return nm.int8_rows(x)
 
 
 @dataclass(frozen=True)

@@ -60,9 +60,11 @@ class BlockPacks:
     gate_up_bias: Tensor | None  # [2 ffn] or None
     down: object  # [d, ffn]
     # the whole block in one native call for one token per sequence, or None where a
-    # projection (or a norm) is not one qarl.native runs
+    # projection (or a norm) is not one qarl.native runs; used below `native_below` rows
+    # (None: always), where a projection's other kernel computes the same bits faster
     native: native.DecodeBlock | None
     gemm_path: str  # what runs the GEMMs (a pack_path, or the scheme's kernel_path)
+    native_below: int | None = None
 
 
 def _rms_norm(norm: nn.Module, x: Tensor) -> Tensor:
@@ -128,7 +130,8 @@ def fused_block_forward(
     """`Block.forward` (same arguments, same math) on packed, fused weights. x: [B, T, d]."""
     attn, mlp = block.self_attn, block.mlp
     native_step = _native_decode_ok(attn, x, cache)
-    if native_step and packs.native is not None:
+    if native_step and packs.native is not None and (
+            packs.native_below is None or x.shape[0] < packs.native_below):
         # one token per sequence: the whole block in one call (= the steps below, bit for bit)
         return packs.native(x, cos, sin, cache.k[layer], cache.v[layer], cache_start,
                             _mask_bytes(mask))

@@ -187,7 +187,7 @@ class _Same:
 
 
 def _pack_quant_block(block: Block) -> BlockPacks:
-    paths = []
+    paths, below = [], []
 
     def stacked(stack):
         # -> the stack's QuantPack, its bias, and its native.BlockGemm (None: not native here)
@@ -198,6 +198,8 @@ def _pack_quant_block(block: Block) -> BlockPacks:
         operand = scheme.native_operand(qw, device)
         gemm = None if operand is None else native.BlockGemm(*operand, bias)
         paths.append(scheme.kernel_path(device, qw))
+        if scheme.native_rows(device) is not None:
+            below.append(scheme.native_rows(device))
         return QuantPack(scheme.bound(qw, device), qw.shape[0]), bias, gemm
 
     (qkv_stack, gate_up_stack), a, m = _stacks(block), block.self_attn, block.mlp
@@ -206,6 +208,7 @@ def _pack_quant_block(block: Block) -> BlockPacks:
     return BlockPacks(qkv=qkv[0], qkv_bias=qkv[1], o=o[0], gate_up=gate_up[0],
                       gate_up_bias=gate_up[1], down=down[0],
                       native=_native_block(block, qkv[2], o[2], gate_up[2], down[2]),
+                      native_below=min(below, default=None),
                       gemm_path="; ".join(dict.fromkeys(paths)))
 
 

@@ -26,7 +26,7 @@ import platform
 
 import torch
 
-from qarl.native.isa import cpu_flags
+from qarl.native.isa import cpu_flags, has_int8_dot
 
 # Schemes vLLM serves from qarl's compressed-tensors layout: on its CPU build, and with CUDA.
 VLLM_CPU_SCHEMES = ("none", "w8a8-int8")
@@ -34,7 +34,6 @@ VLLM_CUDA_SCHEMES = (*VLLM_CPU_SCHEMES, "w8a8-fp8", "w8a8-fp8-block", "w4a16-int
 VLLM_DTYPES = ("auto", "float32", "bfloat16")
 VLLM_ALIGNS = ("naive", "fake")  # the learner cannot run vLLM's kernels: never `kernel`
 
-VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # int8 dot products summed in int32
 INT8_SCHEME = "w8a8-int8"
 
 # The three int8 kernels, as describe() and the benchmarks name them.
@@ -54,7 +53,7 @@ def int8_gemm_saturates(flags: set[str] | None = None) -> bool:
     saturation here: an x86 CPU (`flags` from /proc/cpuinfo, read when None) with no VNNI /
     AMX-INT8 instruction. False off x86 or where the flags are unknown."""
     flags = cpu_flags() if flags is None else flags
-    return "sse2" in flags and not any(f in flags for f in VNNI_FLAGS)
+    return "sse2" in flags and not has_int8_dot(flags)
 
 
 def int8_needs_16bit() -> bool:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from qarl import native as nat
+from qarl.native.isa import has_int8_dot
 from qarl.quant import numerics as nm
 
 pytestmark = pytest.mark.skipif(not nat.available(), reason=f"native kernels: {nat.why_unavailable()}")
@@ -85,6 +86,47 @@ def test_s8_is_the_exact_integer_product_then_two_scale_products():
             _rows_alone_equal(lambda r: nat.linear_s8_dynamic(r, packed), x, y)
 
 
+def test_s8_instruction_sets_give_the_same_bits():
+    """Every int8 instruction set this CPU runs (AVX2 always; AVX-VNNI / AVX512-VNNI where it
+    has them) gives the exact integer product's bits, alone and in a batch; `s8_isa()` names
+    the one chosen by default, the best the CPU has."""
+    best = nat.s8_isa()
+    ran = []
+    try:
+        for isa in nat.S8_ISAS:
+            if nat.use_s8_isa(isa) != isa:
+                continue  # not on this CPU
+            ran.append(isa)
+            for seed, (k, n) in enumerate(SHAPES):
+                wq, ws = _codes((n, k), seed), _rand((n,), seed + 1).abs() + 0.01
+                packed = nat.pack_s8(wq, ws)
+                for m in ROWS:
+                    x = _rand((m, k), 100 * seed + m, scale=3.0)
+                    xq, xs = nm.int8_rows(x)
+                    acc = (xq.long() @ wq.long().t()).to(torch.int32)
+                    y = nat.linear_s8_dynamic(x, packed)
+                    assert torch.equal(y, acc.float() * xs[:, None] * ws[None, :]), (isa, k, n, m)
+    finally:
+        nat.use_s8_isa(best)
+    assert ran[0] == "avx2" and ran[-1] == best, ran
+    assert (best != "avx2") == has_int8_dot(), best
+
+
+def test_quantizer_and_scaling_helpers_equal_the_torch_ops():
+    """quantize_s8_rows = numerics.int8_rows and scale_s32(acc, xs, ws) = acc.float() * xs * ws,
+    bit for bit, on rows with ties, zeros and int32 sums beyond 2^24 (rounded on conversion)."""
+    x = _rand((33, 1537), 5, scale=4.0)
+    x[1] = 0.0
+    x[2, :4] = torch.tensor([127.0, 0.5, -1.5, 2.5])
+    codes, scales = nat.quantize_s8_rows(x)
+    ref_codes, ref_scales = nm.int8_rows(x)
+    assert torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales)
+    acc = torch.randint(-(2**30), 2**30, (33, 97), generator=torch.Generator().manual_seed(0),
+                        dtype=torch.int32)
+    xs, ws = _rand((33,), 1).abs(), _rand((97,), 2).abs()
+    assert torch.equal(nat.scale_s32(acc, xs, ws), acc.float() * xs[:, None] * ws[None, :])
+
+
 def test_s8_refuses_minus_128_weights():
     """A -128 weight code cannot take the activation's sign in int8: pack_s8 says so."""
     wq = _codes((8, 16), 0)
@@ -124,14 +166,16 @@ def test_bad_inputs_raise_clearly():
 
 
 def test_turned_off_by_environment(tmp_path):
-    """QARL_NATIVE=0 makes the kernels unavailable, with the reason, and qarl falls back."""
+    """QARL_NATIVE=0 makes the kernels unavailable, with the reason, and qarl falls back
+    (to oneDNN's int8 GEMM on a CPU with VNNI or AMX, its exact fp32-GEMM emulation else)."""
     code = ("from qarl import native; from qarl.quant import SCHEMES; import torch;"
             "print(native.available(), native.why_unavailable());"
             "print(SCHEMES['w8a8-int8'].method(torch.device('cpu')))")
     env = {**os.environ, "QARL_NATIVE": "0", "QARL_HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.splitlines()[0] == "False turned off by QARL_NATIVE=0"
-    assert out.stdout.splitlines()[1] in ("onednn", "sgemm")
+    expected = ("int_mm",) if has_int8_dot() else ("onednn", "sgemm")
+    assert out.stdout.splitlines()[1] in expected
 
 
 def test_built_once_per_source_into_qarl_home(tmp_path):
@@ -264,3 +308,24 @@ def test_rms_norm_and_silu_mul_match_pytorch_and_are_row_exact():
         ref = F.silu(gate_up[..., :n]) * gate_up[..., n:]
         torch.testing.assert_close(nat.silu_mul(gate_up), ref, atol=1e-5, rtol=1e-6)
         _rows_alone_equal(nat.silu_mul, gate_up[:, 0], nat.silu_mul(gate_up[:, 0]))
+
+
+def _allocator_in_child(env: dict[str, str]) -> str:
+    code = ("from qarl.native.memory import allocator, tune_allocator\n"
+            "before = allocator(); first = tune_allocator(); again = tune_allocator()\n"
+            "assert before == 'untouched' and again == first, (before, first, again)\n"
+            "print(first)")
+    env = {k: v for k, v in os.environ.items() if k not in ("QARL_MALLOC", "GLIBC_TUNABLES")} | env
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
+def test_allocator_tuned_once_per_process_and_opt_outs_respected():
+    # in a child: the thresholds are process state this test must not leave behind
+    assert _allocator_in_child({}) == "tuned"
+    assert _allocator_in_child({"QARL_MALLOC": "default"}) == "glibc default (QARL_MALLOC=default)"
+    tunables = {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1048576"}
+    assert _allocator_in_child(tunables) == "as GLIBC_TUNABLES sets it"

@@ -1,0 +1,98 @@
+"""Seconds per RL step, by phase, of two or more recipes measured side by side in one process,
+as one JSON object: each arm's policy is built once, then the arms take their steps in turn
+(arm A step 1, arm B step 1, arm A step 2, ...), so a machine whose speed drifts (a shared
+VM: 10-25% between runs) moves every arm alike and the ratios are read in one window.
+
+    .venv/bin/python benchmarks/step_time.py --steps 4                      # W8A8 vs none
+    .venv/bin/python benchmarks/step_time.py --steps 4 --tokens 64          # longer responses
+    .venv/bin/python benchmarks/step_time.py --arm w8a8: --arm none:quant.scheme=none \\
+        --arm int4:quant.scheme=w4a16-int4
+
+An arm is NAME:KEY=VALUE,KEY=VALUE (overrides of the recipe, `--recipe`, default `default`).
+Step 1 of each arm is a warm-up (first packs, first pushes) and is left out of the means. The
+JSON names the machine (CPU, ISA levels, threads) and the int8 GEMM chosen here; `ratio` is
+each arm's mean step against the first arm's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import tempfile
+import time
+
+from qarl.config import load_config, parse_overrides
+from qarl.native.isa import machine
+from qarl.native.memory import tune_allocator
+
+PHASES = ("generate", "reward", "old_logp", "update", "sync")
+
+
+def _arm(text: str) -> tuple[str, dict]:
+    name, _, rest = text.partition(":")
+    overrides = parse_overrides([f"--{kv}" for kv in rest.split(",") if kv]) if rest else {}
+    return name, overrides
+
+
+def measure(recipe: str, arms: list[tuple[str, dict]], steps: int, tokens: int | None,
+            out: str) -> dict:
+    from contextlib import ExitStack
+
+    from qarl.quant import SCHEMES
+    from qarl.train.setup import open_run
+    from qarl.train.trainer import rl_step
+
+    common = {"run.output_dir": out, "run.resume": False, "log.progress": False,
+              "eval.size": 8}
+    if tokens is not None:
+        common["rollout.max_new_tokens"] = tokens
+    rows: dict[str, list[dict]] = {name: [] for name, _ in arms}
+    with ExitStack() as stack:
+        runs = []
+        for name, overrides in arms:
+            config = load_config(recipe, {**common, "run.name": name, **overrides})
+            _, policy, data = stack.enter_context(open_run(config))
+            policy.sync.push()
+            runs.append((name, config, policy, data))
+        for step in range(steps):
+            for name, config, policy, data in runs:
+                began = time.perf_counter()
+                metrics = rl_step(policy, data, config, step)
+                if step > 0:  # step 0 builds packs and caches
+                    rows[name].append({"step": time.perf_counter() - began,
+                                       **{p: metrics.get(f"time/{p}", 0.0) for p in PHASES},
+                                       "tokens": metrics["response/length_mean"]})
+        kernel = SCHEMES["w8a8-int8"].kernel_path(
+            runs[0][2].learner.model.model.embed_tokens.weight.device, None)
+    means = {name: {k: round(sum(r[k] for r in rs) / len(rs), 3) for k in rs[0]}
+             for name, rs in rows.items()}
+    first = means[arms[0][0]]["step"]
+    for m in means.values():
+        m["ratio"] = round(first / m["step"], 3)  # > 1: faster than the first arm
+    return {"arms": means, "int8_gemm": kernel}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default="default")
+    parser.add_argument("--arm", action="append", type=_arm, default=None,
+                        help="NAME:KEY=VALUE,... (default: w8a8 and none)")
+    parser.add_argument("--steps", type=int, default=4, help="steps per arm, the first a warm-up")
+    parser.add_argument("--tokens", type=int, default=None, help="rollout.max_new_tokens")
+    args = parser.parse_args()
+    arms = args.arm or [_arm("w8a8:"), _arm("none:quant.scheme=none")]
+    tune_allocator()  # as qarl train does (QARL_MALLOC=default measures glibc's own)
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as out:
+        result = measure(args.recipe, arms, args.steps, args.tokens, out)
+    result.update(recipe=args.recipe, steps=args.steps, tokens=args.tokens, machine=machine(),
+                  unit="seconds per step (mean of steps 2..N)",
+                  peak_rss_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+                  loadavg_before=load_before, loadavg_after=os.getloadavg())
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -26,7 +26,8 @@ class ModelSection(BaseModel):
     master_dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
         description="Dtype of the trained master weights (the quantized rollout copy is derived "
-        "from them after every optimizer step).",
+        "from them after every optimizer step). 'bfloat16' only for a run that trains nothing "
+        "(it rounds small updates away); for bf16 speed set train.compute_dtype.",
     )
     max_context: int | None = Field(
         None,

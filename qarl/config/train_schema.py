@@ -13,6 +13,8 @@ from qarl.config.section import SECTION as _SECTION
 # these names; they live here so the schema and the code hold one tuple).
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("constant", "cosine", "linear")
+# The learner's gradient-pass dtypes (qarl.train.precision resolves "auto")
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 class TrainSection(BaseModel):
@@ -55,6 +57,13 @@ class TrainSection(BaseModel):
         max_length=2,
         description="AdamW (beta1, beta2), each in [0, 1).",
     )
+    compute_dtype: Literal[COMPUTE_DTYPES] = Field(
+        "auto", description="Dtype of the learner's gradient pass: its forward under autocast "
+        "and the straight-through backward's GEMMs. Master weights, optimizer state and every "
+        "logp value (old_logp, the ratio's numerator: the exact replay) stay as they are, so it "
+        "changes gradients only, by bf16 rounding. 'auto': bfloat16 on CPUs with bf16 "
+        "arithmetic (AVX512-BF16 or AMX) and on CUDA, float32 elsewhere (bf16 there is "
+        "emulated, slower than fp32). See docs/training.md.")
     grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clip; 0 = off.")
     checkpoint_every: int = Field(
         0, ge=0, description="Save a checkpoint every this many steps; 0 = only at the end."
@@ -62,6 +71,15 @@ class TrainSection(BaseModel):
     keep_checkpoints: int = Field(
         2, ge=1, description="Most recent checkpoints kept in the run folder."
     )
+    audit_fraction: float = Field(
+        0.125, ge=0, le=1, description="Where the learner's replay of the sampled tokens is "
+        "exact by construction (kernel alignment, or scheme 'none'; the local engine; a dense "
+        "model), old_logp is the sampler's logprobs and only this fraction of each step's rows "
+        "(at least one) is replayed to check it; any difference switches the run to full "
+        "replay. 1.0 replays every row, as naive / fake alignment always do (docs/training.md).")
+    audit_full_every: int = Field(
+        8, ge=0, description="... and the whole batch is replayed every this many steps, from "
+        "step 0; 0 = never.")
     max_bad_steps: int = Field(
         3, ge=1, description="Abort after this many steps in a row whose loss or gradient was "
         "not finite (each such step is skipped: weights and optimizer state untouched)."

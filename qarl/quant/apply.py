@@ -65,7 +65,7 @@ def quantize_model(
             continue
         if isinstance(module, QuantLinear):
             module.scheme, module.mode = scheme, mode
-            module._qweight = module._qweight_key = module._dequantized = None
+            module.forget()
             swapped += 1
         elif type(module) is nn.Linear:
             parent_name, _, child = name.rpartition(".")

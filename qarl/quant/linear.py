@@ -39,26 +39,33 @@ def check_mode(mode: str) -> str:
 
 
 class _STELinear(torch.autograd.Function):
-    """Forward given by `fn(x2d)`; backward is the straight-through estimator onto W."""
+    """Forward given by `fn(x2d)`; backward is the straight-through estimator onto W. Under
+    autocast (qarl.train.precision: the gradient pass in bf16) the backward's two GEMMs run in
+    the autocast dtype, as autocast's own matmuls do, and `w_hat` comes in that dtype; the
+    weight gradient lands in the master's dtype."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, fn, x_hat_fn, w_hat):
-        # x: [M, K]; weight: master [N, K] (only its grad slot is used); w_hat: [N, K] fp32
+        # x: [M, K]; weight: master [N, K] (only its grad slot is used); w_hat: [N, K] in the
+        # backward's compute dtype
         ctx.save_for_backward(x, w_hat)
         ctx.x_hat_fn, ctx.has_bias, ctx.dtypes = x_hat_fn, bias is not None, (x.dtype, weight.dtype)
-        return fn(x)
+        ctx.compute = w_hat.dtype
+        # under autocast x may arrive in bf16 from the op before; the scheme's kernel takes fp32
+        return fn(x if ctx.compute == torch.float32 else x.float())
 
     @staticmethod
     def backward(ctx, grad):  # grad: [M, N]
         x, w_hat = ctx.saved_tensors
-        g = grad.float()
+        g = grad.to(ctx.compute)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = (g @ w_hat).to(ctx.dtypes[0])  # dL/dx = g W_hat
         if ctx.needs_input_grad[1]:
-            grad_w = (g.t() @ ctx.x_hat_fn(x)).to(ctx.dtypes[1])  # dL/dW = g^T x_hat
+            x_hat = ctx.x_hat_fn(x.float()).to(ctx.compute)
+            grad_w = (g.t() @ x_hat).to(ctx.dtypes[1])  # dL/dW = g^T x_hat
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g.sum(0)
+            grad_b = grad.float().sum(0)
         return grad_x, grad_w, grad_b, None, None, None
 
 
@@ -75,7 +82,8 @@ class QuantLinear(nn.Module):
         self.mode = check_mode(mode)
         self._qweight: QWeight | None = None
         self._qweight_key: tuple | None = None
-        self._dequantized: Tensor | None = None  # [N, K] fp32, for fake mode and backward
+        # [N, K] by dtype: fp32 for fake mode and backward, bf16 for a bf16 backward
+        self._dequantized: dict[torch.dtype, Tensor] = {}
         self.quantize_count = 0  # how many times this layer quantized its master weight
         # The other layers of this one's fused group (q/k/v, gate/up; set by quantize_model):
         # a plain tuple, not submodules, so state_dict and named_modules do not see them twice.
@@ -111,7 +119,7 @@ class QuantLinear(nn.Module):
             # shared learner model can later save them for backward
             with torch.inference_mode(False), torch.no_grad():
                 self._qweight = self._quantize()
-            self._qweight_key, self._dequantized = key, None
+            self._qweight_key, self._dequantized = key, {}
             self.quantize_count += 1
         return self._qweight
 
@@ -129,20 +137,24 @@ class QuantLinear(nn.Module):
                 f"{(self.out_features, self.in_features)}"
             )
         self._qweight = qw.to(self.weight.device)
-        self._qweight_key, self._dequantized = self._key(), None
+        self._qweight_key, self._dequantized = self._key(), {}
 
     def forget(self) -> None:
         """Drop the cached quantized weight: the next use quantizes the master weight again.
         For a change the (data_ptr, _version) key does not see: new fused peers (a new group
         scale), or master weights rewritten in a reused buffer (an FSDP-sharded learner's)."""
-        self._qweight = self._qweight_key = self._dequantized = None
+        self._qweight = self._qweight_key = None
+        self._dequantized = {}
 
-    def dequantized(self) -> Tensor:  # [N, K] float32
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:  # [N, K]
+        """The dequantized weight (fp32), or its copy in `dtype`, cached per weight version."""
         qw = self.qweight()
-        if self._dequantized is None:
+        if dtype not in self._dequantized:
             with torch.inference_mode(False), torch.no_grad():
-                self._dequantized = self.scheme.dequantize(qw)
-        return self._dequantized
+                full = self._dequantized.get(torch.float32)
+                full = self.scheme.dequantize(qw) if full is None else full
+                self._dequantized[dtype] = full.to(dtype)
+        return self._dequantized[dtype]
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., in] -> [..., out]
         qw = self.qweight()
@@ -159,7 +171,11 @@ class QuantLinear(nn.Module):
         if not needs_grad:
             y = fn(x2)
         else:
-            y = _STELinear.apply(x2, self.weight, self.bias, fn, self.scheme.act_qdq, self.dequantized())
+            device = x.device.type
+            compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
+                else torch.float32
+            y = _STELinear.apply(x2, self.weight, self.bias, fn, self.scheme.act_qdq,
+                                 self.dequantized(compute))
         return y.reshape(*lead, self.out_features)
 
     def _fake(self, x: Tensor) -> Tensor:  # [M, K] -> [M, N] in x's dtype

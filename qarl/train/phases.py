@@ -47,12 +47,17 @@ class Experience:
 
     batch: RolloutBatch  # the engine's samples; rollout_logp [N, L] float32
     sampling: SamplingParams  # what the engine sampled them with
-    old_logp: Tensor  # [N, L] float32, the learner's decode-path replay of the sampled tokens
+    old_logp: Tensor  # [N, L] float32, the learner's decode-path logprobs of the sampled tokens
     advantages: Tensor  # [N] float32
     rows: Tensor  # [N] bool, rows that take part in the update
     # MoE: the experts the learner's own routers chose in the old_logp replay, as
     # batch.routed_experts ([N, P + L, moe_layers, k] int16); None for a dense model
     learner_routing: Tensor | None = None
+    # the rows a replay computed (qarl.train.audit: all of them, or the audited ones where
+    # old_logp is the sampler's by construction) [n] int64, and their replayed logprobs
+    # [n, L] float32; None: every row, old_logp itself
+    replayed_rows: Tensor | None = None
+    replayed_logp: Tensor | None = None
 
 
 def train_examples(task: Task, seed: int, step: int, num_prompts: int) -> list[Example]:
@@ -105,11 +110,16 @@ def compute_advantages(rewards: list[float | None], batch: RolloutBatch, algo: A
 
 
 def sample_metrics(task: Task, exp: Experience, completions: list[str]) -> dict[str, float]:
-    """Learner-vs-sampler mismatch and error-token rates of the step's samples."""
+    """Learner-vs-sampler mismatch (over the replayed rows) and error-token rates of the
+    step's samples."""
     batch = exp.batch
     grammar = getattr(task, "grammar_ok", None)
     verdicts = [grammar(c) for c in completions] if grammar else None
-    mismatch = mismatch_metrics(exp.old_logp, batch.rollout_logp, batch.response_mask)
+    # over the rows a replay computed: where old_logp is the sampler's logprobs by
+    # construction, the audited rows (the others would show a mismatch of 0 by definition)
+    rows = exp.replayed_rows if exp.replayed_rows is not None else slice(None)
+    replayed = exp.replayed_logp if exp.replayed_logp is not None else exp.old_logp
+    mismatch = mismatch_metrics(replayed, batch.rollout_logp[rows], batch.response_mask[rows])
     errors = error_token_metrics(batch.response_ids, batch.response_mask, batch.finish_reasons,
                                  learner_logp=exp.old_logp, grammar_ok=verdicts)
     if batch.routed_experts is not None and exp.learner_routing is not None:

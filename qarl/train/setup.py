@@ -34,6 +34,7 @@ from qarl.model.tokenizer import Tokenizer
 from qarl.quant import SCHEMES, quantize_model
 from qarl.rollout import ENGINES, Engine, LocalEngine
 from qarl.tasks import Example, RewardRunner, Task, make_task
+from qarl.train.audit import ReplayAudit
 from qarl.train.learner import AlignedLearner, Learner
 from qarl.train.optim import build_optimizer
 from qarl.train.sync import WeightSync
@@ -101,6 +102,7 @@ class Policy:
     # (rollout.engine), or qarl.parallel.RayEngines of either (dist.rollout_workers > 1)
     sync: WeightSync  # learner -> engine weight push
     quantized: bool  # False when the scheme is the identity (full-precision rollouts)
+    audit: ReplayAudit  # how old_logp is computed: a replay, or an audit of one (train/audit.py)
 
     def close(self) -> None:
         """End the engine (its rollout workers' actors, if it has any)."""
@@ -211,9 +213,13 @@ def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | No
     optimizers = build_optimizer(learner, train.optimizer, train.lr, train.weight_decay,
                                  tuple(train.betas))
     replayer = LocalEngine.from_tokenizer(learner, tokenizer, max_context=max_context)
+    identity = SCHEMES[config.quant.scheme].is_identity
+    # the replay equals the sampler's logprobs by construction: same kernels, same decode path
+    exact = ((config.quant.align == "kernel" or identity) and config.rollout.engine == "local"
+             and not learner.config.moe_layers)
+    audit = ReplayAudit(exact, config.train.audit_fraction, config.train.audit_full_every)
     return Policy(AlignedLearner(learner, optimizers, replayer, config.quant.routing_replay),
-                  engine, WeightSync(learner, engine),
-                  quantized=not SCHEMES[config.quant.scheme].is_identity)
+                  engine, WeightSync(learner, engine), quantized=not identity, audit=audit)
 
 
 def report_dataset(task: Task, run_dir: Path) -> None:

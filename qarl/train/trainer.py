@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from qarl.config import RunConfig, load_config, to_toml
+from qarl.native.memory import tune_allocator
 from qarl.train import checkpoint
 from qarl.train.evaluate import evaluate
 from qarl.train.guards import (
@@ -33,6 +34,7 @@ from qarl.train.phases import (
     Experience, PhaseTimer, compute_advantages, reward_metrics, reward_responses,
     sample_metrics, train_examples,
 )
+from qarl.train.precision import describe_compute, resolve_compute_dtype
 from qarl.train.resume import ResumePoint, resume_point
 from qarl.train.setup import Data, Policy, open_run, sampling_params
 from qarl.train.sft import warm_start
@@ -56,9 +58,10 @@ def rl_step(policy: Policy, data: Data, config: RunConfig, step: int) -> dict[st
         scored, completions = reward_responses(data.tokenizer, data.rewards, examples, batch, G)
     advantages, rows, group_metrics = compute_advantages(scored.rewards, batch, config.algo, G)
     check_stop()
-    with timer("old_logp"):
-        old_logp, learner_routing = policy.learner.replay(batch, sampling)
-    exp = Experience(batch, sampling, old_logp, advantages, rows, learner_routing)
+    with timer("old_logp"):  # a replay, or an audit of one where it is exact (train/audit.py)
+        old = policy.audit.old_logp(policy.learner, batch, sampling, seed, step)
+    exp = Experience(batch, sampling, old.logp, advantages, rows, old.routing,
+                     old.replayed_rows, old.replayed_logp)
     check_stop()
     with timer("update"):
         update = policy.learner.update(exp, config.algo, config.train, step)
@@ -66,7 +69,7 @@ def rl_step(policy: Policy, data: Data, config: RunConfig, step: int) -> dict[st
         sync = policy.sync.push()
     generated = int(batch.response_mask.sum())
     return {
-        **reward_metrics(scored), **group_metrics, **update, **sync,
+        **reward_metrics(scored), **group_metrics, **old.metrics, **update, **sync,
         **sample_metrics(data.task, exp, completions),
         **timer.metrics(),
         "response/length_mean": generated / batch.num_sequences,
@@ -81,6 +84,7 @@ def train(recipe: str | Path | Mapping | RunConfig | None = None,
     Raises RunStopped after SIGTERM / SIGINT (a checkpoint of the finished steps saved),
     TrainingAborted when the run cannot go on (bad steps in a row, out of memory)."""
     config = load_config(recipe, overrides)  # every problem reported before any work starts
+    tune_allocator()  # freed activation blocks reused step after step (qarl/native/memory.py)
     start = resume_point(config)  # a recipe that does not fit the checkpoint fails here
     with stop_on_signals(), open_run(config, learner=_warm_start(config)) as (folder, policy, data):
         policy.engine.stop_check = data.rewards.stop_check = check_stop
@@ -134,12 +138,17 @@ class Loop:
             checkpoint.restore_rng(rng)
             self.done, self.saved = state["step"], resume_from
             self.guard.in_a_row = state["bad_steps"]
+            self.policy.audit.full_replay = state.get("full_replay", False)
         self.policy.sync.push()  # the engine decodes with the learner's current codes
         log = self.config.log
         self.log = MetricsLogger(self.run_dir, self.config.train.steps, progress=log.progress,
                                  tensorboard=log.tensorboard, jsonl=log.jsonl, start_step=self.done)
         if resume_from is not None:
             self.log.write(f"resumed from {resume_from} at step {self.done}")
+        requested = self.config.train.compute_dtype
+        device = next(self.policy.learner.model.parameters()).device
+        self.log.write("learner gradient pass: "
+                       + describe_compute(resolve_compute_dtype(requested, device), requested))
         self.rng = checkpoint.capture_rng()  # the state a checkpoint of `done` steps holds
 
     def run(self) -> tuple[dict | None, dict]:
@@ -151,6 +160,8 @@ class Loop:
                 self.evaluate()
             for step in range(self.done, steps):
                 metrics = rl_step(self.policy, self.data, config, step)
+                if metrics.get("audit/failed"):
+                    self.log.write(self.policy.audit.alert)
                 self.log.log(step + 1, metrics)
                 self.done, self.rng = step + 1, checkpoint.capture_rng()
                 self.guard.update(self.done, metrics, self.saved)
@@ -187,7 +198,8 @@ class Loop:
 
     def save(self) -> None:
         train, learner = self.config.train, self.policy.learner
-        state = {"time": time.time(), "bad_steps": self.guard.in_a_row}
+        state = {"time": time.time(), "bad_steps": self.guard.in_a_row,
+                 "full_replay": self.policy.audit.full_replay}
         with learner.whole_optimizer_state():
             self.saved = checkpoint.save(self.run_dir, self.done, learner.model,
                                          learner.optimizers, state, self.rng,

@@ -31,6 +31,7 @@ from qarl.train.guards import check_weights, settings_finite
 from qarl.train.logprobs import aligned_logprobs, response_logprobs
 from qarl.train.optim import learning_rate, set_learning_rate
 from qarl.train.phases import Experience
+from qarl.train.precision import gradient_pass, resolve_compute_dtype
 
 
 class Collectives(Protocol):
@@ -107,6 +108,8 @@ def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
         return {"policy/lr": lr, "guard/no_signal": 1.0, "guard/nonfinite": 0.0,
                 "policy/skipped_steps": 0.0}
     correction, params = loss_setup(algo, exp)
+    device = next(module.parameters()).device
+    compute = resolve_compute_dtype(train.compute_dtype, device)
     set_learning_rate(optimizers, lr)
     totals: dict[str, float] = {"guard/no_signal": 0.0, "guard/nonfinite": 0.0}
     skipped = 0
@@ -119,7 +122,7 @@ def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
         values = exp.old_logp if epoch == 0 else exact(exp)
         entropy_sum, entropy_count, finite = accumulate_gradients(
             module, exp, values, algo, correction, params, train.micro_batch_size, group,
-            totals, routing_replay)
+            totals, routing_replay, compute)
         finite = group.all_true(finite)
         group.sum_gradients(module)
         entropy_sum, entropy_count = group.sum_floats([entropy_sum, entropy_count])
@@ -143,18 +146,21 @@ def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
 def accumulate_gradients(module: torch.nn.Module, exp: Experience, exact: Tensor,
                          algo: AlgoSection, correction: Correction, params: dict,
                          micro_batch_size: int, group: Collectives, totals: dict[str, float],
-                         routing_replay: bool = False) -> tuple[float, int, bool]:
+                         routing_replay: bool = False,
+                         compute: torch.dtype = torch.float32) -> tuple[float, int, bool]:
     """One epoch's backward passes over this rank's micro-batches; adds each loss metric
     (weighted by its share of the rows and epochs) to `totals`. Returns (entropy sum,
     response tokens, every loss finite); stops at the first non-finite loss, except where
-    every rank must run every backward (`group.lockstep`: the step is dropped all the same)."""
+    every rank must run every backward (`group.lockstep`: the step is dropped all the same).
+    `compute`: the gradient pass's dtype (qarl.train.precision); logp's value is `exact`'s."""
     batch, N = exp.batch, exp.batch.num_sequences
     entropy_sum, entropy_count, finite = 0.0, 0, True
     for start in group.micro_batches(range(0, N, micro_batch_size)):
         idx = torch.arange(start, min(N, start + micro_batch_size))
         sub = batch.select(idx)
-        fast, entropy = response_logprobs(module, sub, exp.sampling.temperature,
-                                          routing_replay=routing_replay)
+        with gradient_pass(compute, exact.device):
+            fast, entropy = response_logprobs(module, sub, exp.sampling.temperature,
+                                              routing_replay=routing_replay)
         logp = aligned_logprobs(fast, exact[idx])  # value: exact; gradient: fast
         loss, metrics = LOSSES[algo.loss](
             logp, exp.old_logp[idx], sub.rollout_logp, exp.advantages[idx], correction.mask[idx],

@@ -45,11 +45,9 @@ def test_step_pushes_the_updated_learner_to_the_engine(tmp_path):
     assert [k.split("/", 1)[1] for k in metrics if k.startswith("time/")] == PHASES
 
 
-def test_every_exact_logp_is_one_whole_batch_replay(tmp_path):
-    """With algo.epochs = 3 the learner's decode path is replayed exactly three times per
-    step (old_logp, then once before each later epoch), always on the whole sampled batch,
-    never per micro-batch: a replay over other shapes is not exact (docs/alignment.md)."""
-    config = _config(tmp_path, **{"algo.epochs": 3})
+def _replayed_rows(tmp_path, **extra) -> tuple[list[int], dict[str, float]]:
+    """The number of rows of each replay of step STEP, and its metrics."""
+    config = _config(tmp_path, **extra)
     with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
         replayed_rows = []
         replay = policy.learner.replay  # old_logp's replay and the update's later epochs'
@@ -59,5 +57,60 @@ def test_every_exact_logp_is_one_whole_batch_replay(tmp_path):
             return replay(batch, sampling)
 
         policy.learner.replay = counting_replay
-        rl_step(policy, data, config, step=STEP)
-    assert replayed_rows == [config.rollout.batch_size] * 3
+        metrics = rl_step(policy, data, config, step=STEP)
+    return replayed_rows, metrics
+
+
+def test_every_exact_logp_is_one_whole_batch_replay(tmp_path):
+    """With algo.epochs = 3 and every row audited, the learner's decode path is replayed
+    exactly three times per step (old_logp, then once before each later epoch), always on the
+    whole sampled batch, never per micro-batch: a replay over other shapes is not exact
+    (docs/alignment.md); the sampler's logprobs equal the whole replay bit for bit."""
+    replayed, metrics = _replayed_rows(tmp_path, **{"algo.epochs": 3, "train.audit_fraction": 1.0})
+    assert replayed == [8] * 3
+    assert metrics["audit/abs_diff_max"] == 0.0 and metrics["audit/failed"] == 0.0
+
+
+def test_kernel_alignment_replays_only_the_audited_rows_for_old_logp(tmp_path):
+    """By default (kernel alignment) old_logp is the sampler's logprobs, checked on
+    ceil(0.125 * 8) = 1 row of the step outside every 8th step; later epochs still replay the
+    whole batch with the updated weights."""
+    replayed, metrics = _replayed_rows(tmp_path, **{"algo.epochs": 2})
+    assert replayed == [1, 8]
+    assert metrics["audit/replayed_frac"] == 1 / 8 and metrics["audit/failed"] == 0.0
+    assert metrics["mismatch/abs_diff_max"] == 0.0
+
+
+def test_naive_alignment_always_replays_the_whole_batch(tmp_path):
+    replayed, metrics = _replayed_rows(tmp_path, **{"quant.align": "naive"})
+    assert replayed == [8] and metrics["audit/full_replay"] == 1.0
+    assert metrics["mismatch/abs_diff_max"] > 0.0
+
+
+def _update_of_one_step(tmp_path, compute_dtype: str) -> tuple[dict[str, float], dict]:
+    config = _config(tmp_path / compute_dtype, **{"train.compute_dtype": compute_dtype})
+    with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
+        before = {k: v.detach().clone() for k, v in policy.learner.model.named_parameters()}
+        metrics = rl_step(policy, data, config, step=STEP)
+        moved = {k: v.detach() - before[k] for k, v in policy.learner.model.named_parameters()}
+    return metrics, moved
+
+
+def test_a_bf16_gradient_pass_changes_gradients_only(tmp_path):
+    """train.compute_dtype = 'bfloat16' samples the same batch and computes the same loss
+    values (logp's value is the exact replay's, not the gradient pass's) as 'float32'; the
+    update differs by bf16 rounding of the gradient: Adam's first step moves each weight by
+    about lr * sign(grad), so the two updates agree on the direction of nearly every weight
+    that moved, and their norms agree within a few percent."""
+    m32, moved32 = _update_of_one_step(tmp_path, "float32")
+    m16, moved16 = _update_of_one_step(tmp_path, "bfloat16")
+    for key in m32:
+        if key.startswith(("loss/", "reward/", "response/", "mismatch/", "audit/")):
+            assert m16[key] == m32[key], key
+    assert abs(m16["policy/grad_norm"] - m32["policy/grad_norm"]) <= 0.05 * m32["policy/grad_norm"]
+    a = torch.cat([v.flatten() for v in moved32.values()])
+    b = torch.cat([v.flatten() for v in moved16.values()])
+    assert (a != 0).any()
+    same_sign = (torch.sign(a) == torch.sign(b))[(a.abs() > 0.5 * a.abs().max())]
+    assert same_sign.float().mean() >= 0.95
+    assert abs(b.norm() - a.norm()) <= 0.05 * a.norm()

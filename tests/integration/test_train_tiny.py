@@ -118,6 +118,26 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path):
     assert [r["step"] for r in fresh_rows] == [1]
 
 
+def test_a_failed_audit_keeps_full_replay_across_a_resume(tmp_path):
+    """A run whose audit found a difference replays every row from then on, also after a
+    resume: the flag is part of its checkpoint (here planted in the saved state)."""
+    import json
+
+    from qarl.train.checkpoint import latest
+
+    every_step = {**_SMALL, "train.checkpoint_every": 1, "train.audit_full_every": 0}
+    train("tiny", _overrides(tmp_path, **{**every_step, "train.steps": 1}))
+    state_file = latest(tmp_path / "tiny") / "state.json"
+    state = json.loads(state_file.read_text())
+    assert state["full_replay"] is False
+    state_file.write_text(json.dumps({**state, "full_replay": True}))
+    train("tiny", _overrides(tmp_path, **{**every_step, "train.steps": 2}))
+    rows = [r for r in read_metrics(tmp_path / "tiny" / "metrics.jsonl") if r["kind"] == "train"]
+    assert [(r["step"], r["audit/replayed_frac"], r["audit/full_replay"]) for r in rows] == [
+        (1, 1 / 8, 0.0), (2, 1.0, 1.0)]
+    assert json.loads((latest(tmp_path / "tiny") / "state.json").read_text())["full_replay"]
+
+
 def test_zero_learning_rate_keeps_codes_and_exact_parity(tmp_path):
     """With lr = 0 every step re-exports the weights, yet no engine code changes and the
     learner's old_logp still equals the sampler's logprobs exactly at every step. With two

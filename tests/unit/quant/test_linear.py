@@ -123,3 +123,32 @@ def test_training_after_inference_mode_decode():
         layer(torch.randn(2, 256))
     layer(torch.randn(2, 256)).sum().backward()
     assert layer.weight.grad is not None and layer.quantize_count == 1
+
+
+@pytest.mark.parametrize("name", ["w8a8-int8", "w4a16-int4"])
+def test_ste_backward_under_bf16_autocast_multiplies_in_bf16(name):
+    """Under autocast (train.compute_dtype = 'bfloat16') the forward is the fp32 one, bit for
+    bit (the scheme's kernel gets x in fp32), and the backward's two GEMMs are bf16 GEMMs of
+    the same operands rounded to bf16: equal to them exactly, within bf16 rounding of the fp32
+    gradient, and the master weight's gradient stays fp32."""
+    layer = _layer(name, "kernel", bias=False)
+    x = torch.randn(40, 256)
+    g = torch.randn(40, 96)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    y32 = layer(xs[0])
+    (y32 * g).sum().backward()
+    grad32, layer.weight.grad = layer.weight.grad, None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y16 = layer(xs[1])
+    (y16 * g).sum().backward()
+    assert torch.equal(y16, y32)
+    w_hat = layer.dequantized().bfloat16()
+    x_hat = layer.scheme.act_qdq(x).bfloat16()
+    assert layer.weight.grad.dtype == torch.float32
+    assert torch.equal(layer.weight.grad, (g.bfloat16().t() @ x_hat).float())
+    assert torch.equal(xs[1].grad, (g.bfloat16() @ w_hat).float())
+    # bf16 keeps 8 mantissa bits: each product's inputs within 2^-8 relative, sums of 40/96
+    # terms of mixed sign -> a few 1e-2 of the gradient's scale
+    scale = grad32.abs().max()
+    assert (layer.weight.grad - grad32).abs().max() <= 3e-2 * scale
+    assert (xs[1].grad - xs[0].grad).abs().max() <= 3e-2 * xs[0].grad.abs().max()

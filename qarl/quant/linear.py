@@ -3,6 +3,10 @@
 - `fake`:   y = F.linear(act_qdq(x), dequantize(quantize(W))) + b: the scheme's quantizers,
             floating-point matmul. Same primitives as `kernel`; only the matmul differs.
 - `kernel`: y = scheme.linear(x, quantize(W)) + b: the engine's own kernel, bit for bit.
+            With grad (a learner's gradient pass, whose logp value is never used: the exact
+            replay gives it), a format whose kernel is an emulation or decode-shaped runs the
+            `fake` forward instead, the same function up to rounding on a BLAS GEMM
+            (`Scheme.kernel_for_gradients`; int8 keeps its int8 GEMM).
 
 Backward (both modes) is the straight-through estimator: quantizers count as identity,
 so with x_hat = act_qdq(x) and W_hat = dequantize(quantize(W)):
@@ -164,7 +168,9 @@ class QuantLinear(nn.Module):
         )
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.mode == "kernel":
+        # with grad, only a format whose kernel is the fast GEMM runs it (Scheme docstring)
+        kernel = self.mode == "kernel" and (not needs_grad or self.scheme.kernel_for_gradients(x.device))
+        if kernel:
             fn = lambda t: self.scheme.linear(t, qw, self.bias)  # noqa: E731
         else:
             fn = lambda t: self._fake(t)  # noqa: E731

@@ -127,6 +127,15 @@ class Scheme:
             found = qw.prepared[key] = build()
         return found
 
+    def kernel_for_gradients(self, device: torch.device) -> bool:
+        """Whether a learner's gradient pass (kernel alignment, with grad) runs this kernel,
+        or F.linear on act_qdq(x) and the dequantized weight: the same function up to
+        rounding, one dequantization per weight version (the backward needs it anyway) and a
+        plain BLAS GEMM, where the kernel is an emulation or a decode-shaped one. The value
+        of logp never comes from that pass (`qarl.train.logprobs.aligned_logprobs`); only
+        its gradient does. Default: the BLAS GEMM (int8 overrides: its GEMM is the faster)."""
+        return False
+
     def float_gemm(self, x: Tensor, qw: QWeight, weight) -> Tensor:
         """x [M, K] . weight()^T with a batch-invariant GEMM: the native fp32 kernel on a CPU
         that runs it (weight packed once per QWeight), else `batch_invariant_linear`."""

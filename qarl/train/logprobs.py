@@ -2,8 +2,9 @@
 
 Two ways to compute logp(response | prompt) for a RolloutBatch:
 
-- `response_logprobs` (with grad): one full-sequence forward of prompt + response, then
-  lm_head + log-softmax in chunks of `chunk_tokens` response positions, each chunk under
+- `response_logprobs` (with grad): a forward of prompt + response, each distinct prompt
+  computed once for the rows that share it (a group's responses: `_predicting_hidden`), then
+  lm_head + log-softmax at response positions only, in chunks of `chunk_tokens` response positions, each chunk under
   activation checkpointing, so no [N, L, vocab] float32 tensor is ever kept for the batch
   (only [chunk, vocab] at a time; the chunk's logits are recomputed in backward).
 - the replay (no grad, exact; `Learner.replay`): the engine's own prefill +
@@ -17,9 +18,10 @@ Two ways to compute logp(response | prompt) for a RolloutBatch:
 
 `aligned_logprobs` combines them for the update: the value of the exact path with the
 gradient of the fast one, `logp = exact + (fast - sg(fast))`. Its value is bit-identical to
-`exact` (x - x = 0 exactly) and its gradient is the fast path's, which runs the same
-quantized linears (QuantLinear kernel mode, straight-through) and differs from the exact path
-only by reduction order.
+`exact` (x - x = 0 exactly) and its gradient is the fast path's, which computes the same
+function (QuantLinear straight-through, the scheme's quantizers) and differs from the exact
+path only by rounding: reduction order, a BLAS GEMM where a format's kernel is an emulation
+(`Scheme.kernel_for_gradients`), bf16 under train.compute_dtype.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from qarl.model.cache import SharedPrefixCache
 from qarl.model.decoder import CausalLM, Routing, positions_from_mask
 from qarl.rollout.sampling import token_logprobs
 from qarl.types import RolloutBatch
@@ -44,6 +47,43 @@ def _chunk_logprobs_and_entropy(lm_head, hidden: Tensor, tokens: Tensor, tempera
     return logp, entropy
 
 
+def _predicting_hidden(model: CausalLM, batch: RolloutBatch, routing: Routing | None) -> Tensor:
+    """The hidden states that predict each response token, [N, L, H]: column t is the state
+    at prompt + response position P-1+t. Rows that share a prompt (a group's responses) share
+    its forward (`SharedPrefixCache`): each distinct prompt runs once, then every row's
+    response against its prompt's keys and values; the same function as one pass over every
+    row's prompt + response, up to GEMM rounding. MoE routing replay takes the one-pass
+    forward (its expert records are per row)."""
+    P, L = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    seq_mask = batch.sequence_mask()  # [N, P + L]
+    positions = positions_from_mask(seq_mask)
+    prompts, rows = _distinct_prompts(batch)
+    if routing is not None or prompts is None:
+        hidden = model(batch.sequence_ids(), positions=positions, key_mask=seq_mask,
+                       routing=routing)  # [N, P+L, H]
+        return hidden[:, P - 1 : P - 1 + L]
+    cache = SharedPrefixCache(rows)
+    ids, mask = batch.prompt_ids[prompts], batch.prompt_mask[prompts]  # [G, P]
+    last = model(ids, positions=positions[prompts, :P], key_mask=mask, cache=cache)[:, -1:]
+    if L == 1:
+        return last.index_select(0, rows)
+    cont = model(batch.response_ids[:, : L - 1], positions=positions[:, P : P + L - 1],
+                 key_mask=seq_mask[:, : P + L - 1], cache=cache, cache_start=P)  # [N, L-1, H]
+    return torch.cat([last.index_select(0, rows), cont], dim=1)
+
+
+def _distinct_prompts(batch: RolloutBatch) -> tuple[Tensor | None, Tensor]:
+    """(the first row of each distinct prompt [G], each row's index into them [N]), or
+    (None, _) when no two rows share a prompt."""
+    key = batch.prompt_ids.masked_fill(~batch.prompt_mask, -1)  # padding ids never matter
+    unique, rows = torch.unique(key, dim=0, return_inverse=True)
+    if unique.shape[0] == key.shape[0]:
+        return None, rows
+    first = torch.full((unique.shape[0],), key.shape[0], dtype=torch.long, device=key.device)
+    first = first.scatter_reduce(0, rows, torch.arange(key.shape[0], device=key.device), "amin")
+    return first, rows
+
+
 def response_logprobs(
     model: CausalLM, batch: RolloutBatch, temperature: float = 1.0, chunk_tokens: int = 512,
     routing_replay: bool = False,
@@ -53,14 +93,8 @@ def response_logprobs(
     Both are 0 on padding. Gradients reach every parameter through the chunked lm_head.
     routing_replay: MoE layers use the batch's `routed_experts` (the engine's choice).
     """
-    ids = batch.sequence_ids()  # [N, P + L]
-    seq_mask = batch.sequence_mask()  # [N, P + L]
-    P, L = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
     routing = Routing(replay=batch.routed_experts) if routing_replay else None
-    hidden = model(ids, positions=positions_from_mask(seq_mask), key_mask=seq_mask,
-                   routing=routing)  # [N, P+L, H]
-    # The hidden state at column P-1+t predicts response token t.
-    predicting = hidden[:, P - 1 : P - 1 + L]  # [N, L, H]
+    predicting = _predicting_hidden(model, batch, routing)  # [N, L, H]
     mask = batch.response_mask
     flat_hidden = predicting[mask]  # [T, H] response tokens only: padding costs nothing
     flat_tokens = batch.response_ids[mask]  # [T]

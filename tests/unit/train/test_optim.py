@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from qarl.model import CausalLM
 from qarl.model.config import ModelConfig
+from qarl.quant import QuantLinear, quantize_model
 from qarl.train.optim import build_optimizer, learning_rate, muon_parameter_names, set_learning_rate
 
 
@@ -65,3 +67,22 @@ def test_set_learning_rate_reaches_every_group(model):
     optimizers = build_optimizer(model, "muon", 1e-3)
     set_learning_rate(optimizers, 0.25)
     assert {g["lr"] for opt in optimizers for g in opt.param_groups} == {0.25}
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_an_optimizer_step_makes_every_quantized_layer_requantize(model, name):
+    """The fused AdamW kernel writes parameters without bumping their version counters; the
+    optimizer bumps them, so each QuantLinear quantizes the updated master weight at its next
+    use (a stale code in the learner's replay is what the replay audit caught)."""
+    learner = quantize_model(copy.deepcopy(model), "w8a8-int8", mode="kernel")
+    layers = [m for m in learner.modules() if isinstance(m, QuantLinear)]
+    opts = build_optimizer(learner, name, 1e-2)
+    before = [layer.qweight().codes.clone() for layer in layers]
+    for p in learner.parameters():
+        p.grad = torch.ones_like(p)
+    for opt in opts:
+        opt.step()
+    assert opts[-1].defaults["fused"] is True
+    after = [layer.qweight().codes for layer in layers]
+    assert all(layer.quantize_count == 2 for layer in layers)
+    assert any(not torch.equal(a, b) for a, b in zip(after, before))

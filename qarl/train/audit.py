@@ -15,8 +15,9 @@ every row from then on (`full_replay`, kept in its checkpoints). Where the whole
 the sampler's logprobs, the difference came from the audited rows' smaller batch alone (a
 kernel whose rounding depends on the batch: seen once in 16 steps of the default run, 1.9e-6
 nats, while the whole replay matched bit for bit): the step keeps the sampler's logprobs,
-`audit/batch_shape_diff` records the difference, and the audits go on. `naive` / `fake` alignment, vLLM and mixture-of-experts models (whose
-routing metrics need the learner's own experts on every row) always replay the whole batch.
+`audit/batch_shape_diff` records the difference, and the audits go on. `naive` / `fake`
+alignment, vLLM and mixture-of-experts models (whose routing metrics need the learner's own
+experts on every row) always replay the whole batch.
 
 Which rows are audited is a function of (run.seed, step), so a resumed run audits the rows
 the uninterrupted one would.
@@ -63,8 +64,7 @@ class ReplayAudit:
         whole = (not self.exact or self.full_replay
                  or (self.full_every > 0 and step % self.full_every == 0))
         if whole:
-            logp, routing = learner.replay(batch, sampling)
-            result = OldLogp(logp, routing, torch.arange(N), logp)
+            result = _whole_replay(learner, batch, sampling)
             if self.exact and not self.full_replay:
                 return self._checked(result, batch, step)
             return self._with_metrics(result, N)
@@ -84,10 +84,9 @@ class ReplayAudit:
         if torch.equal(result.replayed_logp[mask], sampled[mask]):
             return self._with_metrics(result, batch.num_sequences, difference=diff)
         if learner is not None:  # a partial audit: the whole batch, in its sampled shape, decides
-            logp, routing = learner.replay(batch, sampling)
-            whole = OldLogp(logp, routing, torch.arange(batch.num_sequences), logp)
+            whole = _whole_replay(learner, batch, sampling)
             full_mask = batch.response_mask
-            if torch.equal(logp[full_mask], batch.rollout_logp[full_mask]):
+            if torch.equal(whole.logp[full_mask], batch.rollout_logp[full_mask]):
                 # the sampler's logprobs are the whole replay's: only the audited rows' smaller
                 # batch computed differently (a batch-shape effect, not a stale policy)
                 return self._with_metrics(whole, batch.num_sequences, difference=0.0,
@@ -112,6 +111,12 @@ class ReplayAudit:
         if difference is not None:
             result.metrics["audit/abs_diff_max"] = difference
         return result
+
+
+def _whole_replay(learner: Learner, batch: RolloutBatch, sampling: SamplingParams) -> OldLogp:
+    """old_logp of every row by the learner's replay of the whole batch, in its sampled shape."""
+    logp, routing = learner.replay(batch, sampling)
+    return OldLogp(logp, routing, torch.arange(batch.num_sequences), logp)
 
 
 def audited_rows(num_rows: int, fraction: float, seed: int, step: int) -> Tensor:

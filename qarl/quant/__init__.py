@@ -34,11 +34,13 @@ otherwise.
 
 API: `quantize_model(model, scheme, mode)` swaps nn.Linear for `QuantLinear` (modes fake /
 kernel); `export_state(model)` -> {name: QWeight | Tensor}; `load_state(model, state)`;
-`describe(model)` names each layer's kernel path; `register_scheme` / `unregister_scheme`
+`release_masters(model)` keeps only an engine copy's codes and scales; `describe(model)` names each layer's kernel path; `register_scheme` / `unregister_scheme`
 add and remove a format.
 """
 
-from qarl.quant.apply import describe, export_state, load_state, quant_layers, quantize_model
+from qarl.quant.apply import (
+    describe, export_state, load_state, quant_layers, quantize_model, release_masters,
+)
 from qarl.quant.kernels import batch_invariant_linear
 from qarl.quant.linear import ALIGNS, MODES, QuantLinear
 from qarl.quant.qweight import QWeight
@@ -50,5 +52,5 @@ from qarl.quant.schemes import (
 __all__ = [
     "ALIGNS", "MODES", "QWeight", "QuantLinear", "SCHEMES", "Scheme", "batch_invariant_linear",
     "describe", "export_state", "load_state", "make_scheme", "quant_layers", "quantize_model",
-    "register_scheme", "run_rows", "scheme_options", "unregister_scheme",
+    "register_scheme", "release_masters", "run_rows", "scheme_options", "unregister_scheme",
 ]

@@ -100,6 +100,26 @@ def quant_layers(model: nn.Module) -> dict[str, QuantLinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
 
 
+def release_masters(model: nn.Module) -> int:
+    """`QuantLinear.release_master` on every QuantLinear whose weight no other module shares
+    (a tied lm_head keeps the embedding's) and, for a format whose fused group shares one
+    scale, whose whole group can be released: the model keeps its codes and scales and takes
+    only QWeights from then on (`load_state`). Returns the bytes freed."""
+    owners: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        owners[id(p)] = owners.get(id(p), 0) + 1
+    layers = [layer for layer in quant_layers(model).values() if not layer.released]
+    untied = {id(layer) for layer in layers if owners[id(layer.weight)] == 1}
+    chosen = [layer for layer in layers if id(layer) in untied and all(
+        id(peer) in untied for peer in layer.fused_peers)]
+    current = [layer.qweight() for layer in chosen]  # all quantized before any is released
+    freed = 0
+    for layer, qw in zip(chosen, current):
+        freed += layer.weight.numel() * layer.weight.element_size()
+        layer.release_master(qw)
+    return freed
+
+
 def export_state(model: nn.Module) -> dict[str, Tensor | QWeight]:
     """Everything an engine needs: `<layer>.weight` -> QWeight for each QuantLinear (quantized
     once per weight version), every other parameter / persistent buffer as a tensor."""
@@ -143,6 +163,13 @@ def load_state(model: nn.Module, state: dict[str, Tensor | QWeight], strict: boo
                 qweights[owner] = value
                 continue
             target = targets[key]
+            owner, _, leaf = key.rpartition(".")
+            if owner in layers and leaf == "weight" and layers[owner].released:
+                raise TypeError(
+                    f"load_state: {key!r} is a full-precision tensor, but this model's layer "
+                    f"released its master weight and takes QWeights only (export_state of an "
+                    f"aligned learner); build the engine without release_masters to push "
+                    f"full-precision weights")
             if target.shape != value.shape:
                 raise ValueError(
                     f"load_state: {key!r} has shape {tuple(value.shape)}, the model expects "

@@ -17,6 +17,9 @@ Weights are quantized once per weight version: the cache key is (data_ptr, _vers
 master weight, which every in-place optimizer update, `copy_` or `.to()` changes. Decoding
 never re-quantizes; a training step re-quantizes exactly once, at the next forward.
 `install(qw)` puts an already-quantized weight in the cache as-is (the engine side).
+`release_master()` keeps only the codes and scales: an engine's copy that decodes and
+receives QWeights never reads its full-precision weight, and 135M fp32 parameters of a copy
+are 0.4 GB of a run's peak memory.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ class QuantLinear(nn.Module):
         # [N, K] by dtype: fp32 for fake mode and backward, bf16 for a bf16 backward
         self._dequantized: dict[torch.dtype, Tensor] = {}
         self.quantize_count = 0  # how many times this layer quantized its master weight
+        self.released = False  # the master weight's storage is gone (release_master)
         # The other layers of this one's fused group (q/k/v, gate/up; set by quantize_model):
         # a plain tuple, not submodules, so state_dict and named_modules do not see them twice.
         self.fused_peers: tuple[QuantLinear, ...] = ()
@@ -116,7 +120,14 @@ class QuantLinear(nn.Module):
         return self.scheme.quantize(w, group_amax)
 
     def qweight(self) -> QWeight:
-        """The QWeight of the current master weight (quantized at most once per version)."""
+        """The QWeight of the current master weight (quantized at most once per version); for
+        a released layer, the last installed one."""
+        if self.released:
+            if self._qweight is None:
+                raise RuntimeError(
+                    f"{self.scheme.name} layer [{self.out_features} x {self.in_features}] has "
+                    f"released its master weight and holds no codes; install a QWeight")
+            return self._qweight
         key = self._key()
         if self._qweight is None or self._qweight_key != key:
             # normal tensors even when the engine decodes under torch.inference_mode, so a
@@ -141,12 +152,29 @@ class QuantLinear(nn.Module):
                 f"{(self.out_features, self.in_features)}"
             )
         self._qweight = qw.to(self.weight.device)
-        self._qweight_key, self._dequantized = self._key(), {}
+        self._qweight_key, self._dequantized = None if self.released else self._key(), {}
+
+    def release_master(self, qw: QWeight | None = None) -> None:
+        """Free the master weight's storage, keeping `qw` (default: the current weight's
+        codes): `weight` becomes a zero-stride view of one zero (same shape, dtype and device,
+        so state_dict names, devices and shapes are unchanged) and `qweight()` returns the
+        installed codes from then on. For an engine's copy whose pushes are QWeights (aligned
+        learners); a weight shared with another module (a tied lm_head) must not be released,
+        and a fused group sharing one scale is released together (`release_masters`), since
+        each member's codes depend on the others' weights."""
+        qw = self.qweight() if qw is None else qw
+        w = self.weight
+        placeholder = torch.zeros((), dtype=w.dtype, device=w.device).expand(w.shape)
+        self.weight = nn.Parameter(placeholder, requires_grad=False)
+        self._qweight, self._qweight_key, self._dequantized, self.released = qw, None, {}, True
 
     def forget(self) -> None:
         """Drop the cached quantized weight: the next use quantizes the master weight again.
         For a change the (data_ptr, _version) key does not see: new fused peers (a new group
         scale), or master weights rewritten in a reused buffer (an FSDP-sharded learner's)."""
+        if self.released:
+            raise RuntimeError("forget: this layer released its master weight; it has nothing "
+                               "to quantize again (install a QWeight instead)")
         self._qweight = self._qweight_key = None
         self._dequantized = {}
 

@@ -31,7 +31,7 @@ from qarl.config import QuantSection, RolloutSection, RunConfig, TaskSection, sa
 from qarl.errors import UserError
 from qarl.model import DTYPES, CausalLM, load_model, load_tokenizer
 from qarl.model.tokenizer import Tokenizer
-from qarl.quant import SCHEMES, quantize_model
+from qarl.quant import SCHEMES, quantize_model, release_masters
 from qarl.rollout import ENGINES, Engine, LocalEngine
 from qarl.tasks import Example, RewardRunner, Task, make_task
 from qarl.train.audit import ReplayAudit
@@ -151,13 +151,26 @@ def _quant_kwargs(quant: QuantSection) -> dict:
     return dict(include=quant.include, exclude=quant.exclude, **quant.options)
 
 
-def engine_copy(model: CausalLM, quant: QuantSection) -> CausalLM:
+def engine_copy(model: CausalLM, quant: QuantSection, codes_only: bool = False) -> CausalLM:
     """A copy of `model` for the engine: its selected linears (quant.include / exclude) as
-    `kernel`-mode QuantLinear of quant.scheme; a plain copy when the scheme is the identity."""
+    `kernel`-mode QuantLinear of quant.scheme; a plain copy when the scheme is the identity.
+    `codes_only`: the quantized layers keep their codes and scales, not the full-precision
+    weights (`release_masters`), for an engine that an aligned learner updates with QWeights."""
     engine_model = copy.deepcopy(model)
     if not SCHEMES[quant.scheme].is_identity:
         quantize_model(engine_model, quant.scheme, mode="kernel", **_quant_kwargs(quant))
+        if codes_only:
+            release_masters(engine_model)
     return engine_model
+
+
+def pushes_codes(config: RunConfig) -> bool:
+    """The learner pushes QWeights (an aligned learner of a quantized scheme) to an engine of
+    qarl's own (local, or Ray workers of it), which then needs no full-precision copy of the
+    quantized layers. The naive learner pushes full-precision weights; vLLM's engine writes
+    its own files from the copy."""
+    return (config.quant.align != "naive" and not SCHEMES[config.quant.scheme].is_identity
+            and config.rollout.engine == "local")
 
 
 def quantize_learner(learner: CausalLM, quant: QuantSection) -> CausalLM:
@@ -185,8 +198,8 @@ def build_engine(config: RunConfig, worker: int = 0, run_dir: Path | None = None
     its files go to run_dir / "vllm_policy" / "worker<k>"."""
     model = load_model(config.model.name, dtype=DTYPES[config.model.master_dtype])
     folder = None if run_dir is None else Path(run_dir) / "vllm_policy" / f"worker{worker}"
-    return make_engine(config, engine_copy(model, config.quant), load_tokenizer(config.model.name),
-                       folder)
+    return make_engine(config, engine_copy(model, config.quant, pushes_codes(config)),
+                       load_tokenizer(config.model.name), folder)
 
 
 def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | None = None,
@@ -206,7 +219,8 @@ def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | No
         engine = RayEngines(partial(build_engine, config, run_dir=run_dir),
                             config.dist.rollout_workers, gpus_per_worker=gpus)
     else:  # the engine's copy, made before the learner is quantized
-        engine = make_engine(config, engine_copy(learner, config.quant), tokenizer,
+        engine = make_engine(config, engine_copy(learner, config.quant, pushes_codes(config)),
+                             tokenizer,
                              None if run_dir is None else Path(run_dir) / "vllm_policy")
     quantize_learner(learner, config.quant)
     train = config.train

@@ -10,7 +10,7 @@ from qarl import native
 from qarl.model import CausalLM, ModelConfig
 from qarl.quant import (
     SCHEMES, QuantLinear, QWeight, describe, export_state, load_state, quant_layers,
-    quantize_model,
+    quantize_model, release_masters,
 )
 
 CONFIG = ModelConfig(family="qwen2", vocab_size=96, hidden_size=64, intermediate_size=128,
@@ -86,6 +86,43 @@ def test_load_state_errors():
     plain = _model(2)
     with pytest.raises(TypeError, match="QuantLinear"):
         load_state(plain, state)
+
+@pytest.mark.parametrize("name", ["w8a8-int8", "w4a16-int4", "w4a16-nvfp4"])
+def test_released_engine_decodes_and_takes_pushes_with_identical_logits(name):
+    """release_masters frees every untied quantized weight (the tied lm_head keeps the
+    embedding's), leaves state_dict names and shapes as they were, and the copy computes the
+    same logits before and after; pushes of QWeights install as before (identical logits to
+    the learner's), a full-precision push into a released layer and a re-quantization are
+    refused by name. NVFP4 shares one scale across a fused group: the layers keep theirs."""
+    options = {"group_size": 32} if name == "w4a16-int4" else {}
+    include = ["model.layers.*", "lm_head"]
+    learner = quantize_model(_model(0), name, include=include, **options)
+    engine = quantize_model(_model(1), name, include=include, **options)
+    ids = torch.randint(0, 96, (3, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = engine.logits(ids)
+    names = set(engine.state_dict())
+    freed = release_masters(engine)
+    layers = quant_layers(engine)
+    untied = [layer for n, layer in layers.items() if n != "lm_head"]
+    assert freed == sum(layer.weight.numel() * 4 for layer in untied)
+    assert all(layer.released and layer.weight.untyped_storage().nbytes() == 4
+               for layer in untied)
+    assert not layers["lm_head"].released
+    assert layers["lm_head"].weight is engine.model.embed_tokens.weight
+    assert set(engine.state_dict()) == names
+    with torch.no_grad():
+        assert torch.equal(engine.logits(ids), before)
+        with torch.no_grad():
+            learner.model.layers[0].mlp.up_proj.weight.add_(0.05)  # a step's change
+        load_state(engine, export_state(learner))
+        assert torch.equal(engine.logits(ids), learner.logits(ids))
+    assert all(layer.quantize_count == 1 for layer in untied)  # only the release's own
+    plain = {k: v.detach() for k, v in _model(2).state_dict().items()}
+    with pytest.raises(TypeError, match="released its master weight"):
+        load_state(engine, plain)
+    with pytest.raises(RuntimeError, match="released its master weight"):
+        untied[0].forget()
 
 def test_plain_strings_match_as_substrings():
     """include/exclude strings without wildcards match names containing them (recipe docs)."""

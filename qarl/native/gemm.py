@@ -165,6 +165,26 @@ def pack_u4(u: Tensor, scales: Tensor, zeros: Tensor | None, group_size: int) ->
     return PackedU4(out, _group_panels(scales, n), z, group_size, n, k)
 
 
+def quantize_u4(w: Tensor, group_size: int, symmetric: bool, dequantized: bool = False
+                ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """w [N, K] float32 -> (codes [N, K/2] uint8 packed as numerics.pack_nibbles, scales and
+    zeros [N, K/group] bfloat16 (zeros None when symmetric), the dequantized weight [N, K]
+    float32 or None): numerics.int4_groups, pack_nibbles and int4_dequantize bit for bit, in
+    one pass over w, rows in parallel."""
+    n, k = w.shape
+    if w.dtype != torch.float32 or k % group_size or group_size % 8:
+        raise ValueError(f"quantize_u4 expects float32 [N, K] with K a multiple of "
+                         f"group_size={group_size} (a multiple of 8); got {w.dtype} {tuple(w.shape)}")
+    w = w.contiguous()
+    codes = torch.empty(n, k // 2, dtype=torch.uint8)
+    scales = torch.empty(n, k // group_size, dtype=torch.bfloat16)
+    zeros = None if symmetric else torch.empty_like(scales)
+    deq = torch.empty(n, k, dtype=torch.float32) if dequantized else None
+    _lib().qarl_quantize_u4(w.data_ptr(), n, k, k, group_size, int(symmetric), codes.data_ptr(),
+                            scales.data_ptr(), _ptr(zeros), _ptr(deq), _threads())
+    return codes, scales, zeros, deq
+
+
 def linear_u4(x: Tensor, w: PackedU4, round_bf16: bool = False) -> Tensor:
     """x [M, K] float32 -> x dequant(W)^T: [M, N] float32. round_bf16: x rounded to bf16 first
     (to nearest even, the same bits as x.bfloat16().float()), the A16 of W4A16."""

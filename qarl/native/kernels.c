@@ -164,6 +164,78 @@ void qarl_pack_u4(const uint8_t* u, int64_t N, int64_t K, int64_t ldu, uint8_t* 
     }
 }
 
+static uint16_t bf16_bits(float v) {  // v already rounded to bf16: its upper half
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    return (uint16_t)(u >> 16);
+}
+
+// w [N, K] fp32 (row stride ldw) -> int4 groups exactly as numerics.int4_groups computes them,
+// in one pass per group: s = bf16(max|w| / 7.5) (symmetric) or bf16((max - min) / 15) with
+// z = bf16(min + 8 s) (1 where s is not > 0), q = clamp(round_half_even((w [- z]) / s), -8, 7)
+// with a true division; codes u = q + 8 packed two per byte (element 2i in the low nibble, as
+// numerics.pack_nibbles) into packed [N, K/2]; scales / zeros [N, K/group] as bf16 bits (zeros
+// NULL when symmetric); deq [N, K] (NULL: not written) = q * s (+ z), numerics.int4_dequantize's
+// values (two rounded operations, no fma: -ffp-contract=off). group: a multiple of 8.
+void qarl_quantize_u4(const float* w, int64_t N, int64_t K, int64_t ldw, int64_t group,
+                      int symmetric, uint8_t* packed, uint16_t* scales, uint16_t* zeros,
+                      float* deq, int nthreads) {
+    const int64_t G = K / group;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t g = 0; g < G; g++) {
+            const float* x = w + n * ldw + g * group;
+            __m256 vmax = _mm256_loadu_ps(x), vmin = vmax;
+            for (int64_t k = 8; k < group; k += 8) {
+                __m256 v = _mm256_loadu_ps(x + k);
+                vmax = _mm256_max_ps(vmax, v);
+                vmin = _mm256_min_ps(vmin, v);
+            }
+            float hi_l[8], lo_l[8];
+            _mm256_storeu_ps(hi_l, vmax);
+            _mm256_storeu_ps(lo_l, vmin);
+            float hi = hi_l[0], lo = lo_l[0];
+            for (int j = 1; j < 8; j++) {
+                hi = hi_l[j] > hi ? hi_l[j] : hi;
+                lo = lo_l[j] < lo ? lo_l[j] : lo;
+            }
+            float s, z = 0.f;
+            if (symmetric) {
+                float amax = -lo > hi ? -lo : hi;
+                s = qarl_round_bf16(amax / 7.5f);
+            } else {
+                s = qarl_round_bf16((hi - lo) / 15.f);
+            }
+            if (!(s > 0.f)) s = 1.f;
+            if (!symmetric) {
+                z = qarl_round_bf16(lo + 8.f * s);
+                zeros[n * G + g] = bf16_bits(z);
+            }
+            scales[n * G + g] = bf16_bits(s);
+            const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
+            const __m256 qlo = _mm256_set1_ps(-8.f), qhi = _mm256_set1_ps(7.f);
+            uint8_t* out = packed + n * (K / 2) + g * group / 2;
+            float* d = deq ? deq + n * K + g * group : 0;
+            for (int64_t k = 0; k < group; k += 8) {
+                __m256 v = _mm256_loadu_ps(x + k);
+                if (!symmetric) v = _mm256_sub_ps(v, vz);
+                __m256 q = _mm256_round_ps(_mm256_div_ps(v, vs),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                q = _mm256_min_ps(_mm256_max_ps(q, qlo), qhi);
+                int32_t c[8];
+                _mm256_storeu_si256((__m256i*)c, _mm256_cvtps_epi32(q));
+                for (int j = 0; j < 4; j++)
+                    out[k / 2 + j] = (uint8_t)((c[2 * j] + 8) | ((c[2 * j + 1] + 8) << 4));
+                if (d) {
+                    __m256 r = _mm256_mul_ps(q, vs);
+                    if (!symmetric) r = _mm256_add_ps(r, vz);
+                    _mm256_storeu_ps(d + k, r);
+                }
+            }
+        }
+    }
+}
+
 // panel codes [K/2][NR], scales/zeros [G][NR] fp32 -> buf [K][NR] fp32.
 INLINE void dequant_u4(const uint8_t* w, const float* s, const float* z, int64_t K, int64_t group,
                        float* buf) {

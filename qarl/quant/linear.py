@@ -113,10 +113,16 @@ class QuantLinear(nn.Module):
     def _quantize(self) -> QWeight:
         w = self.weight.detach()
         if not self._shares_scale():
-            return self.scheme.quantize(w)
+            # a layer whose forward read the dequantized weight last version (a learner's)
+            # gets it with the codes, in the format's one pass where it has one
+            wants = torch.float32 in self._dequantized
+            qw, full = self.scheme.quantize_dequantized(w, dequantized=wants)
+            self._dequantized = {} if full is None else {torch.float32: full}
+            return qw
         # max over the group of max|w|: the global scale every member quantizes with
         group_amax = torch.stack([w.float().abs().amax()] + [
             p.weight.detach().float().abs().amax().to(w.device) for p in self.fused_peers]).amax()
+        self._dequantized = {}
         return self.scheme.quantize(w, group_amax)
 
     def qweight(self) -> QWeight:
@@ -133,8 +139,8 @@ class QuantLinear(nn.Module):
             # normal tensors even when the engine decodes under torch.inference_mode, so a
             # shared learner model can later save them for backward
             with torch.inference_mode(False), torch.no_grad():
-                self._qweight = self._quantize()
-            self._qweight_key, self._dequantized = key, {}
+                self._qweight = self._quantize()  # resets the dequantized cache
+            self._qweight_key = key
             self.quantize_count += 1
         return self._qweight
 

@@ -1,7 +1,8 @@
 """Scheme: one object per format, the only home of what depends on the format.
 
 A format is a frozen dataclass subclassing `Scheme` (its fields are its options, e.g. group
-size) with a class attribute `name` (its SCHEMES key) and five methods:
+size) with a class attribute `name` (its SCHEMES key) and five methods (a sixth,
+`quantize_dequantized`, has a default):
 `quantize(w [N, K]) -> QWeight`; `dequantize(qw) -> [N, K] float32`; `act_qdq(x [M, K]) ->
 [M, K] float32`, the activation quantizer followed by its dequantizer (what the kernel
 effectively multiplies; `fake` mode and the straight-through backward use it);
@@ -85,6 +86,13 @@ class Scheme:
 
     def act_qdq(self, x: Tensor) -> Tensor:  # [M, K] -> [M, K] float32
         raise NotImplementedError(f"{type(self).__name__} must define act_qdq")
+
+    def quantize_dequantized(self, w: Tensor, dequantized: bool = True
+                             ) -> tuple[QWeight, Tensor | None]:
+        """(quantize(w), dequantize of it or None): a learner layer needs both once per weight
+        version; a format that computes the dequantized values on the way overrides this."""
+        qw = self.quantize(w)
+        return qw, self.dequantize(qw) if dequantized else None
 
     def matmul(self, x: Tensor, qw: QWeight) -> Tensor:  # [M, K] -> [M, N]
         raise NotImplementedError(f"{type(self).__name__} must define matmul")

@@ -88,7 +88,7 @@ class Int8Scheme(Scheme):
 
     def quantize(self, w: Tensor) -> QWeight:
         self.check_weight(w)
-        codes, scales = nm.int8_rows(w.detach())
+        codes, scales = _int8_rows(w.detach())  # a weight's rows: one scale per channel
         return QWeight(self.name, tuple(w.shape), codes, scales)
 
     def dequantize(self, qw: QWeight) -> Tensor:

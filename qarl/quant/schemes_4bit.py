@@ -43,10 +43,24 @@ class Int4Scheme(Scheme):
         return (qw.scheme, qw.group_size, qw.symmetric) == (self.name, self.group_size, self.symmetric)
 
     def quantize(self, w: Tensor) -> QWeight:
+        return self.quantize_dequantized(w, dequantized=False)[0]
+
+    def quantize_dequantized(self, w: Tensor, dequantized: bool = True
+                             ) -> tuple[QWeight, Tensor | None]:
+        """One pass of qarl.native (codes, scales and the dequantized weight, the same bits
+        as the torch ops) for an fp32 CPU weight where it runs; else the torch ops."""
         self.check_weight(w)
-        u, s, z = nm.int4_groups(w.detach(), self.group_size, self.symmetric)
-        return QWeight(self.name, tuple(w.shape), nm.pack_nibbles(u), s, z,
-                       group_size=self.group_size, symmetric=self.symmetric)
+        w = w.detach()
+        if w.dtype == torch.float32 and K.native_ok(w.device):
+            nm.check_groups(w.shape[1], self.group_size, "int4 weight")
+            codes, s, z, deq = nat.quantize_u4(w, self.group_size, self.symmetric, dequantized)
+        else:
+            u, s, z = nm.int4_groups(w, self.group_size, self.symmetric)
+            codes = nm.pack_nibbles(u)
+            deq = nm.int4_dequantize(u, s, z, self.group_size) if dequantized else None
+        qw = QWeight(self.name, tuple(w.shape), codes, s, z, group_size=self.group_size,
+                     symmetric=self.symmetric)
+        return qw, deq
 
     def dequantize(self, qw: QWeight) -> Tensor:
         return nm.int4_dequantize(nm.unpack_nibbles(qw.codes), qw.scales, qw.zeros, qw.group_size)

@@ -43,8 +43,9 @@ def code_changes(old: dict[str, QWeight], new: dict[str, QWeight]) -> dict[str, 
     drift_sum, drift_count = 0.0, 0
     for name, qw in new.items():
         before = old[name]
-        # codes of sub-byte formats are packed bytes: a changed byte = a changed code pair
-        changed += int((qw.codes.view(torch.uint8) != before.codes.view(torch.uint8)).sum())
+        # codes of sub-byte formats are packed bytes: a changed byte = a changed code pair;
+        # bytes differ where their uint8 difference is not zero (one pass, no bool tensor)
+        changed += int(torch.count_nonzero(qw.codes.view(torch.uint8) - before.codes.view(torch.uint8)))
         total += qw.codes.numel()
         if qw.scales is not None:
             s_old, s_new = before.scales.float(), qw.scales.float()

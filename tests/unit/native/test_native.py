@@ -127,6 +127,27 @@ def test_quantizer_and_scaling_helpers_equal_the_torch_ops():
     assert torch.equal(nat.scale_s32(acc, xs, ws), acc.float() * xs[:, None] * ws[None, :])
 
 
+@pytest.mark.parametrize("group", [16, 32, 64, 128])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_u4_quantizer_equals_the_torch_ops(group, symmetric):
+    """quantize_u4 = numerics.int4_groups + pack_nibbles (+ int4_dequantize) bit for bit:
+    codes, bf16 scales and zeros, and the dequantized weight, on groups that are all zero,
+    constant, hold exact ties (w / s = k + 1/2, rounded half to even) or saturate (the
+    asymmetric group's min and max), for widths of several groups."""
+    w = _rand((37, 4 * group), 7, scale=0.05)
+    w[0, :group] = 0.0  # s = 0 -> 1, every code 8
+    w[1, :group] = 0.01  # constant: max - min = 0 in the asymmetric format
+    w[2, :8] = torch.tensor([7.5, -7.5, 3.5, 2.5, -0.5, 0.5, 1.5, -2.5]) * 2.0 ** -8
+    u, s, z = nm.int4_groups(w, group, symmetric)
+    codes, scales, zeros, deq = nat.quantize_u4(w, group, symmetric, dequantized=True)
+    assert torch.equal(codes, nm.pack_nibbles(u)) and torch.equal(scales, s)
+    assert (zeros is None) == symmetric and (symmetric or torch.equal(zeros, z))
+    assert torch.equal(deq, nm.int4_dequantize(u, s, z, group))
+    assert nat.quantize_u4(w, group, symmetric)[3] is None
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        nat.quantize_u4(w[:, 1:], group, symmetric)
+
+
 def test_s8_refuses_minus_128_weights():
     """A -128 weight code cannot take the activation's sign in int8: pack_s8 says so."""
     wq = _codes((8, 16), 0)

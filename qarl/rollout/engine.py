@@ -68,6 +68,8 @@ class LocalEngine:
     without it) and decoder blocks as fused blocks (faster; rounding differs from `F.linear`
     by ~1e-6 relative, see `qarl.rollout.prepack`); False runs each module's own forward.
     fuse_blocks: False packs each linear on its own instead of fusing blocks (for comparison).
+    share_prompts: rows with the same prompt (a GRPO group) prefill once and copy its keys,
+    values and logits: the same bits as a prefill per row; False prefills every row.
     """
 
     # Called before every decode step; may raise to abandon generation (the trainer sets
@@ -82,6 +84,7 @@ class LocalEngine:
         max_context: int | None = None,
         prepack_weights: bool = True,
         fuse_blocks: bool = True,
+        share_prompts: bool = True,
     ):
         vocab = model.config.vocab_size
         self.model = model
@@ -89,6 +92,7 @@ class LocalEngine:
             model.config.eos_token_ids if eos_token_ids is None else eos_token_ids
         )
         self.pad_token_id = pad_token_id
+        self.share_prompts = share_prompts
         self._planner = DecodePlanner(prepack_weights, fuse_blocks)
         self.max_context = (
             model.config.max_position_embeddings if max_context is None else max_context
@@ -232,8 +236,7 @@ class LocalEngine:
         rows = torch.arange(N, device=device)  # [B] original row of each cache row
         live = torch.ones(N, dtype=torch.bool, device=device)  # [B] cache row still decoding
 
-        with routing.record(rows, 0, prompt_mask):
-            logits = prefill(plan, ids, positions, cache, key_mask)  # [N, V]
+        logits = self._prefill(plan, ids, positions, cache, key_mask, prompt_mask, routing)
         for t in range(budget):
             self.stop_check()
             if forced is None:
@@ -263,6 +266,29 @@ class LocalEngine:
                 logits = decode_one_token(plan, tokens, next_position, cache, P + t, key_mask)
             next_position += 1
         return response, logp, mask, stopped
+
+    def _prefill(self, plan, ids, positions, cache: KVCache, key_mask, prompt_mask,
+                 routing: RoutingTable) -> Tensor:
+        """Prefill every row into `cache` -> logits [N, V] at the last column. Rows that share a
+        prompt (GRPO's group of samples per prompt: same ids, same padding) are computed once
+        and their keys, values and logits copied to the others: each row's prefill is a
+        batch-invariant computation (`qarl.rollout.plan`), so its bits do not depend on
+        which rows share the batch. A MoE model, whose routing is recorded per row, prefills
+        every row."""
+        rows = torch.arange(ids.shape[0], device=ids.device)
+        if self.share_prompts and routing.table is None:
+            distinct, inverse = torch.unique(torch.cat([ids, prompt_mask.long()], dim=1),
+                                             dim=0, return_inverse=True)
+            if len(distinct) < len(ids):
+                first = torch.full((len(distinct),), len(ids), dtype=torch.long, device=ids.device)
+                first = first.scatter_reduce(0, inverse, rows, reduce="amin")  # [U]
+                once = self.model.new_cache(len(first), ids.shape[1])
+                logits = prefill(plan, ids[first], positions[first], once, key_mask[first])
+                cache.k[:, :, :, : ids.shape[1]] = once.k[:, inverse, :, : ids.shape[1]]
+                cache.v[:, :, :, : ids.shape[1]] = once.v[:, inverse, :, : ids.shape[1]]
+                return logits[inverse]
+        with routing.record(rows, 0, prompt_mask):
+            return prefill(plan, ids, positions, cache, key_mask)
 
     def _left_pad(self, prompt_ids: list[list[int]], device, width: int = 0) -> tuple[Tensor, Tensor]:
         return left_pad(prompt_ids, self.model.config.vocab_size, self.pad_token_id, device, width)

@@ -203,3 +203,24 @@ def test_quantized_model_generates_with_matching_logprobs(make_model):
     model = quantize_model(make_model(), "w8a8-int8", mode="kernel")
     batch = LocalEngine(model, eos_token_ids=()).generate(PROMPTS, SamplingParams(max_new_tokens=8), seed=1)
     torch.testing.assert_close(batch.rollout_logp, teacher_forced_logp(model, batch, 1.0), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("scheme", ["none", "w8a8-int8", "w4a16-int4", "w8a8-fp8"])
+def test_shared_prompt_prefill_gives_the_bits_of_a_prefill_per_row(make_model, scheme):
+    """Rows that share a prompt (groups of 3, in shuffled order, beside a prompt of its own)
+    prefill once: tokens, sampler logprobs and masks equal a prefill of every row bit for
+    bit, when sampling and when scoring the batch."""
+    from qarl.quant import quantize_model
+
+    model = make_model()
+    if scheme != "none":
+        quantize_model(model, scheme, mode="kernel", **({"group_size": 32} if "int4" in scheme else {}))
+    prompts = [PROMPTS[i] for i in (0, 1, 0, 2, 1, 0, 2, 1, 2, 3)]
+    sampling = SamplingParams(max_new_tokens=10)
+    shared, per_row = (LocalEngine(model, eos_token_ids=(3,), share_prompts=flag)
+                       for flag in (True, False))
+    a, b = (engine.generate(prompts, sampling, seed=4) for engine in (shared, per_row))
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert torch.equal(a.rollout_logp, b.rollout_logp) and torch.equal(a.response_mask, b.response_mask)
+    assert torch.equal(shared.score(a, sampling), a.rollout_logp)
+    assert torch.equal(per_row.score(a, sampling), a.rollout_logp)

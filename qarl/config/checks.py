@@ -90,14 +90,24 @@ def batch_is_whole_groups(rollout) -> list[Problem]:
 
 
 def batch_is_whole_micro_batches(rollout, train) -> list[Problem]:
-    """rollout.batch_size is a multiple of train.micro_batch_size."""
-    if rollout.batch_size % train.micro_batch_size == 0:
-        return []
-    return [Problem(
-        "train.micro_batch_size",
-        f"rollout.batch_size ({rollout.batch_size}) is not a multiple of {train.micro_batch_size}; "
-        "use a divisor of the batch size",
-    )]
+    """rollout.batch_size is a multiple of train.micro_batch_size, and each of the
+    train.mini_batches parts of it a whole number of micro-batches."""
+    if rollout.batch_size % train.micro_batch_size:
+        return [Problem(
+            "train.micro_batch_size",
+            f"rollout.batch_size ({rollout.batch_size}) is not a multiple of "
+            f"{train.micro_batch_size}; use a divisor of the batch size",
+        )]
+    micro = rollout.batch_size // train.micro_batch_size
+    if micro % train.mini_batches:
+        fits = [d for d in range(1, micro + 1) if micro % d == 0]
+        return [Problem(
+            "train.mini_batches",
+            f"{train.mini_batches} does not split the {micro} micro-batches of a step "
+            f"(rollout.batch_size {rollout.batch_size} / train.micro_batch_size "
+            f"{train.micro_batch_size}) into equal whole parts; use one of {fits}",
+        )]
+    return []
 
 
 def one_task_source(task) -> list[Problem]:

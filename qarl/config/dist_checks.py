@@ -37,11 +37,13 @@ def dist_is_possible(dist, rollout, train) -> list[Problem]:
         problems.append(Problem("dist.rollout_workers", f"{dist.rollout_workers} is more than "
                                 f"the {rollout.batch_size} sequences of a step "
                                 "(rollout.batch_size); lower it"))
-    micro_batches = rollout.batch_size // train.micro_batch_size
+    # the micro-batches of one optimizer step (of a mini-batch: train.mini_batches)
+    micro_batches = rollout.batch_size // train.micro_batch_size // max(1, train.mini_batches)
     if dist.learner_ranks > micro_batches:
         problems.append(Problem("dist.learner_ranks", f"{dist.learner_ranks} is more than the "
-                                f"{micro_batches} micro-batches of a step (rollout.batch_size / "
-                                "train.micro_batch_size); lower it or the micro-batch size"))
+                                f"{micro_batches} micro-batches of an optimizer step "
+                                "(rollout.batch_size / train.micro_batch_size / "
+                                "train.mini_batches); lower it or the micro-batch size"))
     return problems + fsdp_fits(dist, micro_batches, train)
 
 
@@ -56,8 +58,9 @@ def fsdp_fits(dist, micro_batches: int, train) -> list[Problem]:
     problems = []
     if micro_batches % dist.learner_ranks:
         problems.append(Problem("dist.learner_strategy", f"'fsdp' needs the {micro_batches} "
-                                "micro-batches of a step (rollout.batch_size / "
-                                "train.micro_batch_size) to be a multiple of learner_ranks "
+                                "micro-batches of an optimizer step (rollout.batch_size / "
+                                "train.micro_batch_size / train.mini_batches) to be a "
+                                "multiple of learner_ranks "
                                 f"({dist.learner_ranks}): every rank runs as many; change "
                                 "one of them"))
     if train.optimizer != "adamw":

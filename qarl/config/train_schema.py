@@ -29,6 +29,16 @@ class TrainSection(BaseModel):
         description="Sequences per forward/backward pass; rollout.batch_size must be a multiple "
         "of it (groups may span micro-batches).",
     )
+    mini_batches: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per pass over each rollout batch (verl's "
+        "ppo_mini_batch_size, TRL's steps_per_generation): its rows in this many consecutive "
+        "equal parts, each a whole number of micro-batches, one step each; with algo.epochs, "
+        "epochs x mini_batches steps per rollout batch. Every step after the first is "
+        "off-policy (the ratio of logp to old_logp leaves 1, so the losses' clips act) and "
+        "costs one replay of the whole batch for logp's exact value (docs/training.md).",
+    )
     optimizer: Literal[OPTIMIZERS] = Field(
         "adamw",
         description="'adamw', or 'muon' (torch.optim.Muon on 2-D weight matrices, AdamW on the "

@@ -82,7 +82,7 @@ SOLO = _Solo()
 
 def loss_setup(algo: AlgoSection, exp: Experience) -> tuple[Correction, dict]:
     """The step's rollout correction (computed once, on the whole batch, from old_logp) and
-    the loss parameters, including the whole batch's token / sequence counts."""
+    the loss parameters, less the token / sequence counts (`step_counts`)."""
     batch, old_logp = exp.batch, exp.old_logp
     mask = batch.response_mask & exp.rows[:, None]  # [N, L] bool
     specs = {algo.correction: algo.correction_params} if algo.correction else {}
@@ -91,17 +91,35 @@ def loss_setup(algo: AlgoSection, exp: Experience) -> tuple[Correction, dict]:
     params = {"norm_len": exp.sampling.max_new_tokens, **algo.loss_params}
     if algo.aggregation is not None:
         params["aggregation"] = algo.aggregation
-    params.update(global_counts(algo.loss, old_logp, batch.rollout_logp, correction.mask, **params))
     return correction, params
+
+
+def step_counts(algo: AlgoSection, exp: Experience, correction: Correction, params: dict,
+                rows: range) -> dict:
+    """The token / sequence counts one optimizer step's loss aggregates over: those of its
+    mini-batch `rows` (the whole batch when there is one mini-batch), so that how the rows
+    are split into micro-batches or ranks does not change the step."""
+    part = slice(rows.start, rows.stop)
+    return global_counts(algo.loss, exp.old_logp[part], exp.batch.rollout_logp[part],
+                         correction.mask[part], **params)
+
+
+def mini_batches(n: int, parts: int) -> list[range]:
+    """The rows of each optimizer step of an epoch: `parts` consecutive equal ranges of the
+    batch's n rows, in order (the config checks make n a multiple of parts x micro-batch)."""
+    size = n // parts
+    return [range(j * size, (j + 1) * size) for j in range(parts)]
 
 
 def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
                   group: Collectives, exact: Callable[[Experience], Tensor], exp: Experience,
                   algo: AlgoSection, train: TrainSection, step: int,
                   routing_replay: bool = False) -> dict[str, float]:
-    """Train `module` with `optimizers` on `exp` (module docstring). `exact(exp)`: logp of the
-    batch by the engine's decode path with the current weights, [N, L] float32 (the value of
-    logp in epochs after the first; epoch 0 uses exp.old_logp, the same value)."""
+    """Train `module` with `optimizers` on `exp` (module docstring): `algo.epochs` passes over
+    the batch, each `train.mini_batches` optimizer steps on consecutive parts of its rows.
+    `exact(exp)`: logp of the whole batch by the engine's decode path with the current
+    weights, [N, L] float32: the value of logp at every optimizer step after the first (the
+    first uses exp.old_logp, the same value, since the weights have not moved yet)."""
     lr = learning_rate(step, train.steps, train.lr, train.min_lr, train.warmup_steps, train.lr_schedule)
     if not bool(exp.advantages[exp.rows].any()):
         # Every loss is advantage-weighted: its gradient is exactly 0, so nothing to compute.
@@ -112,32 +130,41 @@ def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
     compute = resolve_compute_dtype(train.compute_dtype, device)
     set_learning_rate(optimizers, lr)
     totals: dict[str, float] = {"guard/no_signal": 0.0, "guard/nonfinite": 0.0}
-    skipped = 0
+    skipped = steps = 0
+    grad_norms: list[float] = []  # of the steps whose backward ran
+    entropy = [0.0, 0.0]  # epoch 0's sum over response tokens, and their count
+    parts = mini_batches(exp.batch.num_sequences, train.mini_batches)
+    counts = {rows: step_counts(algo, exp, correction, params, rows) for rows in parts}
     module.train()
-    for epoch in range(algo.epochs):
+    for epoch, rows in ((e, r) for e in range(algo.epochs) for r in parts):
         # logp's value always comes from a decode-path replay of the WHOLE batch (the shape it
         # was sampled with: a micro-batch replay is not exact, and on smollm2 W8A8 the
-        # activation quantizers amplify that to ~0.1 nats). In epoch 0 the learner is still
-        # the policy that old_logp replayed; later epochs replay once with the updated weights.
-        values = exp.old_logp if epoch == 0 else exact(exp)
+        # activation quantizers amplify that to ~0.1 nats). At the first step the learner is
+        # still the policy that old_logp replayed; every later step replays once with the
+        # weights the steps before it left.
+        values = exp.old_logp if steps == 0 else exact(exp)
+        steps += 1
         entropy_sum, entropy_count, finite = accumulate_gradients(
-            module, exp, values, algo, correction, params, train.micro_batch_size, group,
-            totals, routing_replay, compute)
+            module, exp, values, algo, correction, {**params, **counts[rows]},
+            train.micro_batch_size, group, totals, routing_replay, compute, rows)
         finite = group.all_true(finite)
         group.sum_gradients(module)
         entropy_sum, entropy_count = group.sum_floats([entropy_sum, entropy_count])
         if epoch == 0:
-            totals["policy/entropy"] = entropy_sum / max(1, entropy_count)
+            entropy = [entropy[0] + entropy_sum, entropy[1] + entropy_count]
         grad_norm, outcome = optimizer_step(module, optimizers, train.grad_clip, finite, group)
+        grad_norms.append(grad_norm)
         skipped += outcome == "zero"
         if outcome == "nonfinite":
             totals["guard/nonfinite"] = 1.0
             break
     module.eval()
+    totals["policy/entropy"] = entropy[0] / max(1, entropy[1])
+    totals["policy/optimizer_steps"] = float(steps - skipped - totals["guard/nonfinite"])
     totals = {**group.sum_metrics({k: v for k, v in totals.items() if k.startswith("loss/")}),
               **{k: v for k, v in totals.items() if not k.startswith("loss/")}}
     totals.update(metrics_to_floats({f"correction/{k}": v for k, v in correction.metrics.items()}))
-    totals["policy/grad_norm"] = grad_norm
+    totals["policy/grad_norm"] = sum(grad_norms) / len(grad_norms)  # mean over the steps
     totals["policy/lr"] = lr
     totals["policy/skipped_steps"] = skipped
     return totals
@@ -147,16 +174,19 @@ def accumulate_gradients(module: torch.nn.Module, exp: Experience, exact: Tensor
                          algo: AlgoSection, correction: Correction, params: dict,
                          micro_batch_size: int, group: Collectives, totals: dict[str, float],
                          routing_replay: bool = False,
-                         compute: torch.dtype = torch.float32) -> tuple[float, int, bool]:
-    """One epoch's backward passes over this rank's micro-batches; adds each loss metric
-    (weighted by its share of the rows and epochs) to `totals`. Returns (entropy sum,
-    response tokens, every loss finite); stops at the first non-finite loss, except where
-    every rank must run every backward (`group.lockstep`: the step is dropped all the same).
-    `compute`: the gradient pass's dtype (qarl.train.precision); logp's value is `exact`'s."""
+                         compute: torch.dtype = torch.float32,
+                         rows: range | None = None) -> tuple[float, int, bool]:
+    """One optimizer step's backward passes over this rank's micro-batches of `rows` (default:
+    the whole batch); adds each loss metric (weighted by its share of the rows and epochs) to
+    `totals`. Returns (entropy sum, response tokens, every loss finite); stops at the first
+    non-finite loss, except where every rank must run every backward (`group.lockstep`: the
+    step is dropped all the same). `compute`: the gradient pass's dtype
+    (qarl.train.precision); logp's value is `exact`'s."""
     batch, N = exp.batch, exp.batch.num_sequences
+    rows = range(N) if rows is None else rows
     entropy_sum, entropy_count, finite = 0.0, 0, True
-    for start in group.micro_batches(range(0, N, micro_batch_size)):
-        idx = torch.arange(start, min(N, start + micro_batch_size))
+    for start in group.micro_batches(range(rows.start, rows.stop, micro_batch_size)):
+        idx = torch.arange(start, min(rows.stop, start + micro_batch_size))
         sub = batch.select(idx)
         with gradient_pass(compute, exact.device):
             fast, entropy = response_logprobs(module, sub, exp.sampling.temperature,

@@ -81,6 +81,22 @@ def test_kernel_alignment_replays_only_the_audited_rows_for_old_logp(tmp_path):
     assert metrics["mismatch/abs_diff_max"] == 0.0
 
 
+def test_mini_batches_step_off_policy_after_one_whole_replay_each(tmp_path):
+    """train.mini_batches = 2 with algo.epochs = 2: four optimizer steps per rollout batch,
+    each after the first preceded by one replay of the whole batch (logp's exact value with
+    the weights the steps before it left). The first step is on-policy (TBPO's ratio s = 1
+    exactly, no clip); the later ones are not, and TBPO's 3e-4 / 4e-4 clip acts on them."""
+    replayed, metrics = _replayed_rows(tmp_path, **{"train.mini_batches": 2, "algo.epochs": 2,
+                                                    "algo.loss": "tbpo"})
+    assert replayed == [1, 8, 8, 8] and metrics["mismatch/abs_diff_max"] == 0.0
+    # a step whose every sequence left TBPO's clip band has no gradient: skipped, not taken
+    assert metrics["policy/optimizer_steps"] + metrics["policy/skipped_steps"] == 4.0
+    assert metrics["policy/optimizer_steps"] >= 2.0 and metrics["loss/clip_frac"] > 0.0
+    _, on_policy = _replayed_rows(tmp_path / "one", **{"algo.loss": "tbpo"})
+    assert on_policy["policy/optimizer_steps"] == 1.0 and on_policy["loss/clip_frac"] == 0.0
+    assert on_policy["loss/seq_ratio_max"] == 1.0 == on_policy["loss/seq_ratio_min"]
+
+
 def test_naive_alignment_always_replays_the_whole_batch(tmp_path):
     replayed, metrics = _replayed_rows(tmp_path, **{"quant.align": "naive"})
     assert replayed == [8] and metrics["audit/full_replay"] == 1.0

@@ -132,8 +132,10 @@ BAD_RECIPES = [
      ["dist.learner_strategy: 'fsdp' with the mixture-of-experts model", "'replicate'"]),
     ("dist-placement-value", ["--dist.learner_placement=slurm"],
      ["dist.learner_placement:", "'local' or 'ray'", "slurm"]),
+    ("mini-batches-uneven", ["--train.mini_batches=3"],
+     ["train.mini_batches: 3 does not split the", "into equal whole parts; use one of"]),
     ("dist-too-many-ranks", ["--dist.learner_ranks=1000"],
-     ["dist.learner_ranks: 1000 is more than the", "micro-batches of a step"]),
+     ["dist.learner_ranks: 1000 is more than the", "micro-batches of an optimizer step"]),
     ("missing-train", '[task]\nname = "addition"\n', ["train.steps: required but missing"]),
 ]
 

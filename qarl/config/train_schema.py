@@ -104,3 +104,8 @@ class SftSection(BaseModel):
     steps: int = Field(0, ge=0, description="SFT optimizer steps; 0 = no warm start.")
     lr: float = Field(1e-3, gt=0, description="SFT learning rate (constant, AdamW).")
     batch_size: int = Field(16, ge=1, description="Prompt + answer sequences per SFT step.")
+    seed: int | None = Field(
+        None, ge=0,
+        description="Seed of the warm start's data order; default: run.seed. Set, every seed "
+        "of a comparison starts RL from the same warm-started model (trained once, cached).",
+    )

@@ -85,9 +85,16 @@ TABLES = [
     ("Error-token rates (training rollouts)", [
         ("training reward", "reward", ".3f", ""),
         ("repeated n-grams", "rep_ngram", ".3g", ""),
+        ("repeat runs", "rep_run", ".3g", ""),
         ("truncated", "truncated", ".3g", ""),
         ("low-probability tokens", "lowprob_tokens", ".3g", ""),
         ("garbled", "garbled", ".3g", "")]),
+    ("Clips and trust band (mean over training steps)", [
+        ("clipped", "clip_frac", ".3g", ""),
+        ("clipped, A > 0", "clip_frac_pos", ".3g", ""),
+        ("clipped, A < 0", "clip_frac_neg", ".3g", ""),
+        ("dual-clipped", "dual_clip_frac", ".3g", ""),
+        ("band drops", "band_drop", ".3g", "")]),
     ("Seconds per training step, by phase", [
         *((phase, f"time_{phase}", ".2f", "") for phase in PHASES),
         ("step", "time_step", ".2f", ""),
@@ -105,8 +112,8 @@ def _value(entry: dict[str, Any], name: str) -> Stat | float | None:
 
 def markdown(table: dict, section: dict[str, Any], unfinished: list[Path],
              plots: list[Path]) -> str:
-    """report.md: the arms, the three tables (accuracy and mismatch, error tokens, time) and
-    the plots."""
+    """report.md: the arms, the four tables (accuracy and mismatch, error tokens, clips and
+    trust band, time) and the plots."""
     lines = ["# Comparison report", "",
              "Mean ± sample std over seeds of each run's figure (qarl/report/README.md says how "
              f"each is computed). Reference arm: {_name(section.get('reference'))}; baseline: "

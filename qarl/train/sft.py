@@ -27,12 +27,17 @@ from qarl.train.signals import check_stop
 from qarl.types import RolloutBatch
 
 
+def sft_seed(config: RunConfig) -> int:
+    """The warm start's seed: sft.seed, or the run's."""
+    return config.run.seed if config.sft.seed is None else config.sft.seed
+
+
 def sft_key(config: RunConfig) -> str:
     shape = {
         "model": config.model.name, "dtype": config.model.master_dtype,
         "task": config.task.model_dump(include={"name", "dataset", "options", "system_prompt",
                                                 "chat_template"}),
-        "sft": config.sft.model_dump(), "seed": config.run.seed, "version": 1,
+        "sft": config.sft.model_dump(exclude={"seed"}), "seed": sft_seed(config), "version": 1,
     }
     return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -66,7 +71,7 @@ def run_sft(config: RunConfig, model: CausalLM, log=print) -> CausalLM:
     model.train()
     for step in range(config.sft.steps):
         check_stop()  # SIGTERM / SIGINT end a warm start between steps (nothing is cached)
-        seed = random.Random(f"sft:{config.run.seed}:{step}").getrandbits(31)
+        seed = random.Random(f"sft:{sft_seed(config)}:{step}").getrandbits(31)
         batch = teacher_batch(encoder, task.examples("train", config.sft.batch_size, seed), tokenizer, end_id)
         logp, _ = response_logprobs(model, batch)
         # cross-entropy on the completion tokens only: -mean log p(y_t | prompt, y_<t)
@@ -90,7 +95,7 @@ def warm_start(config: RunConfig, log=print) -> CausalLM | None:
         with cache_lock(folder):  # two runs of the same warm start: one trains, one waits
             if not (folder / "model.safetensors").exists():
                 shutil.rmtree(folder, ignore_errors=True)  # an older qarl's unfinished folder
-                torch.manual_seed(config.run.seed)
+                torch.manual_seed(sft_seed(config))
                 model = run_sft(config, load_model(config.model.name, dtype=dtype), log)
                 tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
                 try:

@@ -69,3 +69,4 @@ def test_a_mini_batch_is_normalized_over_its_own_rows(tmp_path, loss):
     assert whole_metrics["policy/optimizer_steps"] == 1
     assert all(torch.equal(h, 2 * w) for h, w in zip(halves[0], whole[0]))
     assert any(bool(w.abs().sum() > 0) for w in whole[0])
+

@@ -35,8 +35,15 @@ def _free(key: str) -> bool:
 
 
 def _flat(config: RunConfig) -> dict[str, Any]:
-    return {f"{section}.{key}": value for section, values in config.model_dump().items()
-            for key, value in values.items()}
+    """{"section.key": value} of every key; an optional section left out of the recipe (e.g.
+    [compare]: None) is the single key "section" (a recipe without it resumes)."""
+    flat: dict[str, Any] = {}
+    for section, values in config.model_dump().items():
+        if isinstance(values, dict):
+            flat.update({f"{section}.{key}": value for key, value in values.items()})
+        else:
+            flat[section] = values
+    return flat
 
 
 def check_resumable(saved: RunConfig, config: RunConfig, folder: Path) -> None:

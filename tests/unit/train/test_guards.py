@@ -170,6 +170,18 @@ def test_a_resumed_run_keeps_its_recipe(tmp_path):
                                                 "log.progress": True}), tmp_path)
 
 
+def test_a_recipe_without_an_optional_section_resumes(tmp_path):
+    """The default recipe has no [compare] section (None in the config): its resume check
+    compares it like any key instead of failing on it; a [compare] section added since is a
+    difference."""
+    saved = load_config("default")
+    assert saved.compare is None
+    check_resumable(saved, load_config("default", {"train.steps": 20}), tmp_path)
+    with pytest.raises(ConfigError) as err:
+        check_resumable(saved, load_config("tiny"), tmp_path)
+    assert {"compare", "compare.arms"} <= {p.path for p in err.value.problems}
+
+
 def test_resume_config_reads_the_run_folder_wherever_it_is(tmp_path):
     """--resume RUN_DIR loads the resolved recipe saved there, placed in RUN_DIR (even when
     the folder was moved), and refuses overrides that would change the run."""

@@ -179,7 +179,7 @@ def test_a_recipe_without_an_optional_section_resumes(tmp_path):
     check_resumable(saved, load_config("default", {"train.steps": 20}), tmp_path)
     with pytest.raises(ConfigError) as err:
         check_resumable(saved, load_config("tiny"), tmp_path)
-    assert {"compare", "compare.arms"} <= {p.path for p in err.value.problems}
+    assert "compare.arms" in {p.path for p in err.value.problems}
 
 
 def test_resume_config_reads_the_run_folder_wherever_it_is(tmp_path):

@@ -7,6 +7,7 @@ where a trajectory ends) regenerates the table instead of leaving it stale.
     .venv/bin/python benchmarks/default_runs.py                 # seeds 0 1 2, ~15 min on 2 cores
     .venv/bin/python benchmarks/default_runs.py --readme        # and rewrite the README table
     .venv/bin/python benchmarks/default_runs.py --seeds 0 --train.steps=2   # a smoke run
+    .venv/bin/python benchmarks/default_runs.py --from runs/kept --readme   # table of kept runs
 
 Arguments after the options are `qarl train` overrides (the README's table is the default
 recipe's: pass none for it). Each run is a child process (`qarl train`, as a user runs it);
@@ -35,6 +36,15 @@ COLUMNS = [("deployed W8A8 policy", "eval/accuracy_quantized"),
            ("truncated responses (W8A8)", "eval/truncated_quantized")]
 
 
+def read_run(seed: int, out: Path) -> dict:
+    """The evals before and after of the finished run `out / seed<seed>`."""
+    rows = [json.loads(line) for line in (out / f"seed{seed}" / "metrics.jsonl").open()]
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    return {"seed": seed, "steps": max(r["step"] for r in rows),
+            "before": {key: evals[0].get(key) for _, key in COLUMNS},
+            "after": {key: evals[-1].get(key) for _, key in COLUMNS}}
+
+
 def run_seed(seed: int, out: Path, overrides: list[str]) -> dict:
     """One `qarl train` child: its evals before and after, wall seconds and peak RSS."""
     qarl = Path(sys.executable).with_name("qarl")
@@ -49,12 +59,8 @@ def run_seed(seed: int, out: Path, overrides: list[str]) -> dict:
         tail = (out / f"seed{seed}.log").read_text().splitlines()[-15:]
         raise SystemExit(f"seed {seed}: `{' '.join(args)}` failed; the end of its output:\n"
                          + "\n".join(tail))
-    rows = [json.loads(line) for line in (out / f"seed{seed}" / "metrics.jsonl").open()]
-    evals = [r for r in rows if r.get("kind") == "eval"]
-    return {"seed": seed, "wall_s": round(wall, 1), "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2),
-            "steps": max(r["step"] for r in rows),
-            "before": {key: evals[0].get(key) for _, key in COLUMNS},
-            "after": {key: evals[-1].get(key) for _, key in COLUMNS}}
+    return {**read_run(seed, out), "wall_s": round(wall, 1),
+            "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2)}
 
 
 def table(results: list[dict]) -> str:
@@ -66,8 +72,11 @@ def table(results: list[dict]) -> str:
         out = []
         for i, (_, key) in enumerate(COLUMNS):
             b, a = before[key], after[key]
-            after = f"**{a:.2f}**" if i == 0 else f"{a:.2f}"  # the deployed policy's, bold
-            out.append("-" if a is None or b is None else f"{b:.2f} -> {after}")
+            if a is None or b is None:
+                out.append("-")
+                continue
+            shown = f"**{a:.2f}**" if i == 0 else f"{a:.2f}"  # the deployed policy's, bold
+            out.append(f"{b:.2f} -> {shown}")
         return " | ".join(out)
 
     for r in results:
@@ -104,6 +113,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--readme", action="store_true", help="rewrite README.md's table")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run folders here")
+    parser.add_argument("--from", dest="source", type=Path, default=None,
+                        help="read finished runs (seed<k> folders) from here instead of running")
     args, overrides = parser.parse_known_args()
     if args.readme and overrides:
         raise SystemExit("--readme writes the default recipe's table: drop the overrides "
@@ -113,7 +124,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         out = args.keep or Path(scratch)
         out.mkdir(parents=True, exist_ok=True)
-        results = [run_seed(seed, out, overrides) for seed in args.seeds]
+        results = [read_run(seed, args.source) if args.source else run_seed(seed, out, overrides)
+                   for seed in args.seeds]
     text = table(results)
     if args.readme:
         write_readme(text)

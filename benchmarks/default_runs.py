@@ -81,14 +81,13 @@ def table(results: list[dict]) -> str:
 
     for r in results:
         lines.append(f"| {r['seed']} | {cells(r['before'], r['after'])} |")
+    def mean(side: str, key: str) -> float | None:
+        values = [r[side][key] for r in results]
+        return None if None in values else sum(values) / len(values)
+
     if len(results) > 1:
-        mean = {side: {key: sum(r[side][key] for r in results) / len(results)
-                       for _, key in COLUMNS if all(r[side][key] is not None for r in results)}
-                for side in ("before", "after")}
-        for side in mean.values():
-            for _, key in COLUMNS:
-                side.setdefault(key, None)
-        lines.append(f"| mean | {cells(mean['before'], mean['after'])} |")
+        means = {side: {key: mean(side, key) for _, key in COLUMNS} for side in ("before", "after")}
+        lines.append(f"| mean | {cells(means['before'], means['after'])} |")
     return "\n".join(lines)
 
 

@@ -165,12 +165,11 @@ def engine_copy(model: CausalLM, quant: QuantSection, codes_only: bool = False) 
 
 
 def pushes_codes(config: RunConfig) -> bool:
-    """The learner pushes QWeights (an aligned learner of a quantized scheme) to an engine of
-    qarl's own (local, or Ray workers of it), which then needs no full-precision copy of the
-    quantized layers. The naive learner pushes full-precision weights; vLLM's engine writes
-    its own files from the copy."""
-    return (config.quant.align != "naive" and not SCHEMES[config.quant.scheme].is_identity
-            and config.rollout.engine == "local")
+    """The learner pushes QWeights (an aligned learner) to an engine of qarl's own (local, or
+    Ray workers of it), which then needs no full-precision copy of its quantized layers (an
+    identity scheme has none: `engine_copy` leaves the copy plain). The naive learner pushes
+    full-precision weights; vLLM's engine writes its own files from the copy."""
+    return config.quant.align != "naive" and config.rollout.engine == "local"
 
 
 def quantize_learner(learner: CausalLM, quant: QuantSection) -> CausalLM:

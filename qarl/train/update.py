@@ -132,7 +132,7 @@ def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
     totals: dict[str, float] = {"guard/no_signal": 0.0, "guard/nonfinite": 0.0}
     skipped = steps = 0
     grad_norms: list[float] = []  # of the steps whose backward ran
-    entropy = [0.0, 0.0]  # epoch 0's sum over response tokens, and their count
+    entropy_total, entropy_tokens = 0.0, 0  # over the first epoch's response tokens
     parts = mini_batches(exp.batch.num_sequences, train.mini_batches)
     counts = {rows: step_counts(algo, exp, correction, params, rows) for rows in parts}
     module.train()
@@ -145,13 +145,14 @@ def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
         values = exp.old_logp if steps == 0 else exact(exp)
         steps += 1
         entropy_sum, entropy_count, finite = accumulate_gradients(
-            module, exp, values, algo, correction, {**params, **counts[rows]},
-            train.micro_batch_size, group, totals, routing_replay, compute, rows)
+            module, exp, values, algo, correction, {**params, **counts[rows]}, rows,
+            train.micro_batch_size, group, totals, routing_replay, compute)
         finite = group.all_true(finite)
         group.sum_gradients(module)
         entropy_sum, entropy_count = group.sum_floats([entropy_sum, entropy_count])
         if epoch == 0:
-            entropy = [entropy[0] + entropy_sum, entropy[1] + entropy_count]
+            entropy_total += entropy_sum
+            entropy_tokens += entropy_count
         grad_norm, outcome = optimizer_step(module, optimizers, train.grad_clip, finite, group)
         grad_norms.append(grad_norm)
         skipped += outcome == "zero"
@@ -159,7 +160,7 @@ def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
             totals["guard/nonfinite"] = 1.0
             break
     module.eval()
-    totals["policy/entropy"] = entropy[0] / max(1, entropy[1])
+    totals["policy/entropy"] = entropy_total / max(1, entropy_tokens)
     totals["policy/optimizer_steps"] = float(steps - skipped - totals["guard/nonfinite"])
     totals = {**group.sum_metrics({k: v for k, v in totals.items() if k.startswith("loss/")}),
               **{k: v for k, v in totals.items() if not k.startswith("loss/")}}
@@ -171,19 +172,17 @@ def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
 
 
 def accumulate_gradients(module: torch.nn.Module, exp: Experience, exact: Tensor,
-                         algo: AlgoSection, correction: Correction, params: dict,
+                         algo: AlgoSection, correction: Correction, params: dict, rows: range,
                          micro_batch_size: int, group: Collectives, totals: dict[str, float],
                          routing_replay: bool = False,
-                         compute: torch.dtype = torch.float32,
-                         rows: range | None = None) -> tuple[float, int, bool]:
-    """One optimizer step's backward passes over this rank's micro-batches of `rows` (default:
-    the whole batch); adds each loss metric (weighted by its share of the rows and epochs) to
+                         compute: torch.dtype = torch.float32) -> tuple[float, int, bool]:
+    """One optimizer step's backward passes over this rank's micro-batches of `rows` (its
+    mini-batch); adds each loss metric (weighted by its share of the rows and epochs) to
     `totals`. Returns (entropy sum, response tokens, every loss finite); stops at the first
     non-finite loss, except where every rank must run every backward (`group.lockstep`: the
     step is dropped all the same). `compute`: the gradient pass's dtype
     (qarl.train.precision); logp's value is `exact`'s."""
     batch, N = exp.batch, exp.batch.num_sequences
-    rows = range(N) if rows is None else rows
     entropy_sum, entropy_count, finite = 0.0, 0, True
     for start in group.micro_batches(range(rows.start, rows.stop, micro_batch_size)):
         idx = torch.arange(start, min(rows.stop, start + micro_batch_size))

@@ -17,6 +17,10 @@ Part 4 ("int8", not in the default `--parts`): one W8A8 layer at the given shape
 through qarl.native's int8 GEMM under each instruction set this CPU has (`native.S8_ISAS`:
 AVX2 `vpmaddubsw`, AVX-VNNI, AVX-512 VNNI; the same bits on each), `torch._int_mm` (oneDNN,
 activation quantization and scales included, as the format runs it) and fp32 `F.linear`.
+Part 5 ("f32", not in the default `--parts`): qarl.native's fp32 GEMM (the engine's `none`
+layers, lm_head and, through its chains, the int4 GEMM) under each instruction set this CPU
+has (`native.F32_ISAS`: AVX2 4-row tiles, AVX-512 8-row tiles; the same bits on each) next to
+fp32 `F.linear` (MKL).
 
 Run it on a quiet machine: with other jobs on a 2-core machine two OpenMP threads make every
 GEMM wait on the busier core (10-30x slower M>1 fp32 GEMMs measured); the load average before
@@ -27,6 +31,8 @@ and after is recorded.
     .venv/bin/python benchmarks/quant_kernels.py --parts blocks --formats none,w8a8-int8,w4a16-int4
     .venv/bin/python benchmarks/quant_kernels.py --parts int8 --shapes 576x1536,1536x576 \
         --rows 1,16,32,256
+    .venv/bin/python benchmarks/quant_kernels.py --parts f32 --shapes 576x1536,1536x576,576x49152 \
+        --rows 1,4,32,256
 """
 
 from __future__ import annotations
@@ -218,6 +224,25 @@ def int8_figures(shapes, rows) -> list[dict]:
     return out
 
 
+def f32_figures(shapes, rows) -> list[dict]:
+    """Part 5 (module docstring): ms per fp32 layer call by instruction set."""
+    out = []
+    isas = [isa for isa in native.F32_ISAS if native.use_f32_isa(isa) == isa]
+    for k, n in shapes:
+        w = torch.randn(n, k) * 0.05
+        packed = native.pack_f32(w)
+        for m in rows:
+            x = torch.randn(m, k)
+            case = {"m": m, "k": k, "n": n, "fp32_F.linear_ms": best_ms(lambda: F.linear(x, w))}
+            for isa in isas:
+                native.use_f32_isa(isa)
+                case[f"native_{isa}_ms"] = best_ms(lambda: native.linear_f32(x, packed))
+            out.append(case)
+            print(json.dumps(case), flush=True)
+    native.use_f32_isa(native.F32_ISAS[-1])  # back to the best this CPU has
+    return out
+
+
 def add_speedups(cases: list[dict]) -> None:
     base = {(c["model"], c["batch"]): c["ms_per_step"] for c in cases if c["format"] == "fp32"}
     for c in cases:
@@ -270,6 +295,12 @@ def main(argv=None) -> dict:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
         report["int8"] = int8_figures(shapes, [int(r) for r in args.rows.split(",")])
         report["int8_isa_here"] = native.s8_isa()
+    if "f32" in parts:
+        if not native.available():
+            raise SystemExit(f"--parts f32 needs qarl.native: {native.why_unavailable()}")
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        report["f32"] = f32_figures(shapes, [int(r) for r in args.rows.split(",")])
+        report["f32_isa_here"] = native.f32_isa()
     report["load_average_after"] = list(os.getloadavg())
     print(json.dumps(report, indent=1))
     return report

@@ -86,6 +86,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "qarl_scale_s32": [p, i64, i64, p, p, p, i32],
         "qarl_s8_isa": [],
         "qarl_s8_set_isa": [i32],
+        "qarl_f32_isa": [],
+        "qarl_f32_set_isa": [i32],
         "qarl_pack_u4": [p, i64, i64, i64, p, i32],
         "qarl_quantize_u4": [p, i64, i64, i64, i64, i32, p, p, p, p, i32],
         "qarl_linear_u4": [p, i64, i64, i64, p, p, p, i64, i64, i32, p, i64, i32],
@@ -99,7 +101,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name, args in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
-    lib.qarl_s8_isa.restype = lib.qarl_s8_set_isa.restype = i32
+    for name in ("qarl_s8_isa", "qarl_s8_set_isa", "qarl_f32_isa", "qarl_f32_set_isa"):
+        getattr(lib, name).restype = i32
     return lib
 
 

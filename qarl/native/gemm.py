@@ -87,6 +87,24 @@ def pack_s8(codes: Tensor, scales: Tensor) -> PackedS8:
     return PackedS8(out, ws, n, k)
 
 
+F32_ISAS = ("avx2", "avx512")  # the fp32 GEMM's instruction sets, by level (the same bits)
+
+
+def f32_isa() -> str:
+    """The instruction set the fp32 GEMM (and the int4 one, which runs its chains) runs here:
+    the best this CPU has (qarl_f32_isa)."""
+    return F32_ISAS[_lib().qarl_f32_isa()]
+
+
+def use_f32_isa(name: str) -> str:
+    """Run the fp32 GEMM with `name` (of F32_ISAS; capped at what this CPU has) from now on:
+    for comparing the instruction sets, whose outputs are the same bits. Returns the one now
+    in use."""
+    if name not in F32_ISAS:
+        raise ValueError(f"unknown fp32 instruction set {name!r}; valid: {list(F32_ISAS)}")
+    return F32_ISAS[_lib().qarl_f32_set_isa(F32_ISAS.index(name))]
+
+
 S8_ISAS = ("avx2", "avx_vnni", "avx512_vnni")  # the int8 GEMM's instruction sets, by level
 
 

@@ -80,10 +80,11 @@ def has_bf16_math(flags: set[str] | None = None) -> bool:
 
 
 def machine() -> dict:
-    """What a benchmark figure depends on: CPU name, ISA levels, cores, torch threads, and
-    what qarl.native.memory did to the allocator."""
+    """What a benchmark figure depends on: CPU name, ISA levels, cores, torch threads, what
+    qarl.native.memory did to the allocator, and the instruction sets qarl.native's GEMMs run."""
     import torch
 
+    from qarl import native
     from qarl.native.memory import allocator
 
     info = _cpuinfo()
@@ -91,4 +92,7 @@ def machine() -> dict:
             f"{info.get('cpu family', '?')} model {info.get('model', '?')}",
             "isa": isa_levels(), "cores": os.cpu_count(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "allocator": allocator()}
+            "allocator": allocator(),
+            # the instruction sets qarl.native's GEMMs dispatch to here (the same bits on each)
+            "native_gemm": ({"f32": native.f32_isa(), "s8": native.s8_isa()} if native.available()
+                            else f"off: {native.why_unavailable()}")}

@@ -1,8 +1,9 @@
-// qarl's CPU kernels for x86-64 with AVX2 + FMA (see README.md beside this file).
+// qarl's CPU kernels for x86-64 with AVX2 + FMA, and AVX-512 fp32 tiles where the CPU has
+// AVX-512F (see README.md beside this file).
 //
 // Three GEMMs for the few-row products of decoding: y[M, N] = x[M, K] . w[N, K]^T with w
 // pre-packed once into panels of output columns stored k-major, so a panel streams from
-// memory in order and is reused from cache by every 4-row tile of x. The fp32 and int4 GEMMs
+// memory in order and is reused from cache by every row tile of x (4 rows; 8 with AVX-512). The fp32 and int4 GEMMs
 // (panels of NR = 24 columns) are here, the int8 one in kernels_s8.c.
 //
 // Every output element is ONE fixed-order chain over k (fp32: an fma chain from k = 0 up;
@@ -96,11 +97,113 @@ INLINE void tile_f32(int mr, int64_t K, const float* x, int64_t ldx, const float
                       res ? res + r * ldr : 0, y + r * ldy);
 }
 
+// The same chains with AVX-512: per row one zmm (columns 0-15) and one ymm (16-23) of the
+// same NR-column panel, and MR512 = 8 rows per tile (16 accumulators + 2 weights + 1
+// broadcast). Each output is still one fma per k from k = 0 up on the same operands, and an
+// fma rounds once whatever the vector width, so every output has tile_f32's bits; the gain
+// is 1.5x the columns per fma instruction and half the passes over each panel.
+#define MR512 8
+
+// store_row for a zmm + ymm row (accumulators by value, as there)
+__attribute__((target("avx2,fma,avx512f"))) static inline __attribute__((always_inline)) void
+store_row512(__m512 v0, __m256 v1, int nc, const float* xs, const float* bias, const float* res,
+             float* y) {
+    float tmp[NR];
+    _mm512_storeu_ps(tmp, v0);
+    _mm256_storeu_ps(tmp + 16, v1);
+    for (int j = 0; j < nc; j++) {  // store_row's epilogue, in its order
+        float v = tmp[j];
+        if (xs) v = v * xs[0];
+        if (bias) v = v + bias[j];
+        if (res) v = v + res[j];
+        y[j] = v;
+    }
+}
+
+// Named accumulators rather than arrays, and one function per row count (generated below):
+// inlined into one switch, GCC kept the accumulators on the stack.
+#define ROWS512(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+#define TILE512(MRC)                                                                          \
+    __attribute__((target("avx2,fma,avx512f"), noinline)) static void tile_f32_avx512_##MRC(  \
+        int64_t K, const float* x, int64_t ldx, const float* w, int nc, const float* xs,      \
+        const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy) {            \
+        const int mr = MRC;                                                                   \
+        ROWS512(ZERO512)                                                                      \
+        for (int64_t k = 0; k < K; k++) {                                                     \
+            const float* wk = w + k * NR;                                                     \
+            __m512 w0 = _mm512_loadu_ps(wk);                                                  \
+            __m256 w1 = _mm256_loadu_ps(wk + 16);                                             \
+            ROWS512(FMA512)                                                                   \
+        }                                                                                     \
+        ROWS512(STORE512)                                                                     \
+    }
+#define ZERO512(r) __m512 lo##r = _mm512_setzero_ps(); __m256 hi##r = _mm256_setzero_ps();
+#define FMA512(r)                                                     \
+    if (r < mr) {                                                     \
+        __m512 a = _mm512_set1_ps(x[r * ldx + k]);                    \
+        lo##r = _mm512_fmadd_ps(a, w0, lo##r);                        \
+        hi##r = _mm256_fmadd_ps(_mm512_castps512_ps256(a), w1, hi##r); \
+    }
+#define STORE512(r)                                                                          \
+    if (r < mr)                                                                              \
+        store_row512(lo##r, hi##r, nc, xs ? xs + r : 0, bias, res ? res + r * ldr : 0,       \
+                     y + r * ldy);
+TILE512(1) TILE512(2) TILE512(3) TILE512(4) TILE512(5) TILE512(6) TILE512(7) TILE512(8)
+#undef TILE512
+#undef ZERO512
+#undef FMA512
+#undef STORE512
+#undef ROWS512
+
+__attribute__((target("avx2,fma,avx512f"))) static void panel_f32_avx512(
+    const float* x, int64_t M, int64_t K, int64_t ldx, const float* w, int nc, const float* xs,
+    const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy) {
+    for (int64_t m0 = 0; m0 < M; m0 += MR512) {
+        int mr = M - m0 < MR512 ? (int)(M - m0) : MR512;
+        const float* xm = x + m0 * ldx;
+        const float* sm = xs ? xs + m0 : 0;
+        const float* rm = res ? res + m0 * ldr : 0;
+        float* ym = y + m0 * ldy;
+        switch (mr) {
+#define CASE512(n) case n: tile_f32_avx512_##n(K, xm, ldx, w, nc, sm, bias, rm, ldr, ym, ldy); break;
+            CASE512(8) CASE512(7) CASE512(6) CASE512(5) CASE512(4) CASE512(3) CASE512(2)
+#undef CASE512
+            default: tile_f32_avx512_1(K, xm, ldx, w, nc, sm, bias, rm, ldr, ym, ldy); break;
+        }
+    }
+}
+
+// Which fp32 arithmetic the panels run: F32_AVX2, or F32_AVX512 where the CPU has AVX-512F
+// (chosen at the first call from the CPU's flags; qarl_f32_set_isa overrides, for tests).
+// Both give the same bits (above), so the choice is speed only.
+enum { F32_AUTO = -1, F32_AVX2 = 0, F32_AVX512 = 1 };
+static int f32_isa = F32_AUTO;
+
+int qarl_f32_isa(void) {
+    if (f32_isa == F32_AUTO) {
+        __builtin_cpu_init();
+        f32_isa = __builtin_cpu_supports("avx512f") ? F32_AVX512 : F32_AVX2;
+    }
+    return f32_isa;
+}
+
+// Force the fp32 arithmetic (F32_AVX2 always runs; AVX-512 only where the CPU has it);
+// returns the level now in use.
+int qarl_f32_set_isa(int isa) {
+    int best = (f32_isa = F32_AUTO, qarl_f32_isa());
+    f32_isa = isa < F32_AVX2 ? best : (isa > best ? best : isa);
+    return f32_isa;
+}
+
 // All row tiles of x against one packed panel; the switch hands each tile a constant mr
 // (the chain is the same for every mr: it only lets the compiler drop dead rows).
 INLINE void panel_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* w,
                       int nc, const float* xs, const float* bias, const float* res, int64_t ldr,
                       float* y, int64_t ldy) {
+    if (qarl_f32_isa() == F32_AVX512) {
+        panel_f32_avx512(x, M, K, ldx, w, nc, xs, bias, res, ldr, y, ldy);
+        return;
+    }
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
         int mr = M - m0 < MR ? (int)(M - m0) : MR;
         const float* xm = x + m0 * ldx;

@@ -164,7 +164,7 @@ class Scheme:
 
     def float_gemm_path(self, device: torch.device, qw: QWeight) -> str:
         if self.native_f32_ok(device, qw):
-            return "native fp32 GEMM (qarl.native, one fma chain per output)"
+            return f"native fp32 GEMM (qarl.native {nat.f32_isa()}, one fma chain per output)"
         return f"batch_invariant_linear ({K.BI_TILE}-row tiles)"
 
     def stack_rows(self, qws: list[QWeight]) -> QWeight:

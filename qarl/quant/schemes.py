@@ -142,8 +142,8 @@ class Int8Scheme(Scheme):
     def kernel_path(self, device: torch.device, qw: QWeight) -> str:
         method = self.method(device)
         if method == "native":
-            return ("native int8 GEMM (qarl.native: AVX2 vpmaddubsw with the activation sign on "
-                    "the weight, exact int32 sums = torch._int_mm bit for bit)")
+            return (f"native int8 GEMM (qarl.native {nat.s8_isa()}: the activation sign on the "
+                    "weight, exact int32 sums = torch._int_mm bit for bit)")
         if method in ("sgemm", "onednn"):
             return (f"exact int8 GEMM as fp32 {method} on integer codes in K-chunks of 1024 "
                     "(= torch._int_mm bit for bit; _int_mm is slow on CPUs without VNNI)")

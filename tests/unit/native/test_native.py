@@ -1,4 +1,5 @@
-"""qarl.native: exactness, batch invariance and errors of the AVX2 kernels.
+"""qarl.native: exactness, batch invariance and errors of the kernels (AVX2, and the AVX-512 /
+VNNI variants where the CPU has them).
 
 Every test here states a bit-level promise of kernels.c and checks it with torch.equal: the
 int8 GEMM is the exact integer dot product, the int4 GEMM is the fp32 chain on the exactly
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from qarl import native as nat
-from qarl.native.isa import has_int8_dot
+from qarl.native.isa import cpu_flags, has_int8_dot
 from qarl.quant import numerics as nm
 
 pytestmark = pytest.mark.skipif(not nat.available(), reason=f"native kernels: {nat.why_unavailable()}")
@@ -64,6 +65,37 @@ def test_f32_bias_and_residual_are_added_after_the_chain():
     assert torch.equal(nat.linear_f32(x, packed, b), plain + b)
     lead = nat.linear_f32(x.view(1, m, k), packed, residual=r.view(1, m, n))
     assert lead.shape == (1, m, n) and torch.equal(lead[0], plain + r)
+
+
+def test_f32_instruction_sets_give_the_same_bits():
+    """The fp32 GEMM's AVX-512 tiles (8 rows, a zmm and a ymm per row) run the AVX2 tiles'
+    chains: every output, with bias and residual, and the int4 GEMM built on them, has the
+    same bits under each instruction set this CPU runs, at row counts around both tile
+    heights (4 and 8). `f32_isa()` names the default: AVX-512 where the CPU has AVX-512F."""
+    best = nat.f32_isa()
+    rows = [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33]
+    outputs: dict[str, list[torch.Tensor]] = {}
+    try:
+        for isa in nat.F32_ISAS:
+            if nat.use_f32_isa(isa) != isa:
+                continue  # not on this CPU
+            out = outputs.setdefault(isa, [])
+            for seed, (k, n) in enumerate(SHAPES):
+                w, b = _rand((n, k), seed), _rand((n,), seed + 1)
+                packed = nat.pack_f32(w)
+                for m in rows:
+                    x, r = _rand((m, k), 100 * seed + m, scale=2.0), _rand((m, n), seed + m)
+                    out += [nat.linear_f32(x, packed), nat.linear_f32(x, packed, b, r)]
+            u, sc, z = nm.int4_groups(_rand((72, 576), 7), 64, False)
+            packed = nat.pack_u4(u, sc, z, 64)
+            out += [nat.linear_u4(_rand((m, 576), m).bfloat16().float(), packed) for m in rows]
+    finally:
+        nat.use_f32_isa(best)
+    ran = list(outputs)
+    assert ran[0] == "avx2" and ran[-1] == best, ran
+    assert (best == "avx512") == ("avx512f" in cpu_flags()), best
+    for isa in ran[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outputs["avx2"], outputs[isa])), isa
 
 
 def test_s8_is_the_exact_integer_product_then_two_scale_products():

@@ -47,6 +47,11 @@ def cpu_flags() -> set[str]:
     return set(_cpuinfo().get("flags", "").split())
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor_id ('GenuineIntel', 'AuthenticAMD', ...); '' where unknown."""
+    return _cpuinfo().get("vendor_id", "")
+
+
 def cpu_name() -> str:
     """The CPU's model name as `lscpu` prints it (e.g. 'AMD EPYC 7B13'), else the machine."""
     return _cpuinfo().get("model name") or platform.processor() or platform.machine()

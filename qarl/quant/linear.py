@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qarl.quant import kernels as K
 from qarl.quant.qweight import QWeight
 from qarl.quant.schemes import Scheme, make_scheme
 
@@ -67,10 +68,10 @@ class _STELinear(torch.autograd.Function):
         g = grad.to(ctx.compute)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = (g @ w_hat).to(ctx.dtypes[0])  # dL/dx = g W_hat
+            grad_x = K.learner_mm(g, w_hat).to(ctx.dtypes[0])  # dL/dx = g W_hat
         if ctx.needs_input_grad[1]:
             x_hat = ctx.x_hat_fn(x.float()).to(ctx.compute)
-            grad_w = (g.t() @ x_hat).to(ctx.dtypes[1])  # dL/dW = g^T x_hat
+            grad_w = K.learner_mm(g.t(), x_hat).to(ctx.dtypes[1])  # dL/dW = g^T x_hat
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.float().sum(0)
         return grad_x, grad_w, grad_b, None, None, None

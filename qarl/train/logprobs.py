@@ -33,12 +33,13 @@ from torch.utils.checkpoint import checkpoint
 from qarl.model.cache import SharedPrefixCache
 from qarl.model.decoder import CausalLM, Routing, positions_from_mask
 from qarl.rollout.sampling import token_logprobs
+from qarl.train.precision import lm_head_logits
 from qarl.types import RolloutBatch
 
 
 def _chunk_logprobs_and_entropy(lm_head, hidden: Tensor, tokens: Tensor, temperature: float):
     # hidden: [C, H], tokens: [C] -> logp [C] float32, entropy [C] float32 (no grad)
-    logits = lm_head(hidden)
+    logits = lm_head_logits(lm_head, hidden)
     logp = token_logprobs(logits, tokens, temperature)
     with torch.no_grad():
         logz = torch.log_softmax(logits.float() / temperature, dim=-1)  # [C, V]

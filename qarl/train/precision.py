@@ -15,8 +15,12 @@ from contextlib import nullcontext
 from typing import ContextManager
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from qarl.native.isa import has_bf16_math
+from qarl.quant import kernels as K
 
 
 def resolve_compute_dtype(requested: str, device: torch.device) -> torch.dtype:
@@ -31,15 +35,71 @@ def resolve_compute_dtype(requested: str, device: torch.device) -> torch.dtype:
 
 
 def gradient_pass(dtype: torch.dtype, device: torch.device) -> ContextManager:
-    """The context the gradient forward runs in: autocast to `dtype`, or nothing for fp32."""
-    if dtype == torch.float32:
-        return nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
+    """The context the gradient forward runs in: autocast to `dtype`; for fp32, the learner's
+    own linears where `kernels.cpu_fp32_gemm` picks oneDNN (`LearnerLinears`), else nothing."""
+    if dtype != torch.float32:
+        return torch.autocast(device.type, dtype=dtype)
+    return LearnerLinears() if K.cpu_fp32_gemm(device) == "onednn" else nullcontext()
 
 
-def describe_compute(dtype: torch.dtype, requested: str) -> str:
+class _LearnerLinear(torch.autograd.Function):
+    """y = x W^T (+ b) with its three GEMMs by `kernels.learner_linear` / `learner_mm`: the
+    gradient pass's fp32 linear on a CPU whose MKL is the slower library (module docstring of
+    qarl.quant.kernels: ~2x on AMD Zen 5). x [M, K], weight [N, K], bias [N] or None."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return K.learner_linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # grad [M, N]
+        x, weight = ctx.saved_tensors
+        grad_x = K.learner_mm(grad, weight) if ctx.needs_input_grad[0] else None
+        grad_w = K.learner_mm(grad.t(), x) if ctx.needs_input_grad[1] else None
+        grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+def learner_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear(x, weight, bias) of the gradient pass: `_LearnerLinear` for fp32 CPU operands
+    where oneDNN is the learner's library, F.linear otherwise. x [..., K] -> [..., N]."""
+    if x.dtype == weight.dtype == torch.float32 and K.cpu_fp32_gemm(x.device) == "onednn":
+        y = _LearnerLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+def lm_head_logits(lm_head: nn.Module, hidden: Tensor) -> Tensor:
+    """lm_head(hidden), a plain nn.Linear through `learner_linear` under grad. Called inside
+    the lm_head's activation checkpoint, whose recompute runs outside `LearnerLinears`: the
+    explicit call gives forward and recompute the same autograd graph."""
+    if type(lm_head) is nn.Linear and torch.is_grad_enabled():
+        return learner_linear(hidden, lm_head.weight, lm_head.bias)
+    return lm_head(hidden)
+
+
+class LearnerLinears(TorchFunctionMode):
+    """Within it, every F.linear (the plain nn.Linear layers of a learner: the whole model in
+    `naive` alignment or full precision, the layers a scheme leaves unquantized) runs as
+    `learner_linear`. QuantLinear's straight-through backward takes the same GEMMs itself
+    (qarl.quant.linear)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return learner_linear(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def describe_compute(dtype: torch.dtype, requested: str,
+                     device: torch.device = torch.device("cpu")) -> str:
     """One line for the run's start: what the gradient pass computes in, and why."""
     name = str(dtype).removeprefix("torch.")
+    library = K.cpu_fp32_gemm(device) if dtype == torch.float32 else None
+    if library is not None:
+        name += f", GEMMs by {'oneDNN' if library == 'onednn' else 'MKL'}"
     if requested != "auto":
         return f"{name} (train.compute_dtype = {requested!r})"
     if dtype == torch.bfloat16:

@@ -148,7 +148,8 @@ class Loop:
         requested = self.config.train.compute_dtype
         device = next(self.policy.learner.model.parameters()).device
         self.log.write("learner gradient pass: "
-                       + describe_compute(resolve_compute_dtype(requested, device), requested))
+                       + describe_compute(resolve_compute_dtype(requested, device), requested,
+                                        device))
         self.rng = checkpoint.capture_rng()  # the state a checkpoint of `done` steps holds
 
     def run(self) -> tuple[dict | None, dict]:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from qarl.config import load_config
+from qarl.quant import kernels as K
 from qarl.train import precision
 
 
@@ -28,3 +31,55 @@ def test_bf16_masters_load_for_a_run_that_trains_nothing():
     config = load_config("tiny", {"model.master_dtype": "bfloat16", "train.lr": 0.0,
                                   "sft.steps": 0})
     assert config.model.master_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("vendor, env, want", [
+    ("AuthenticAMD", "", "onednn"), ("GenuineIntel", "", "mkl"), ("", "", "mkl"),
+    ("GenuineIntel", "onednn", "onednn"), ("AuthenticAMD", "mkl", "mkl")])
+def test_cpu_fp32_gemm_library_by_vendor_and_environment(monkeypatch, vendor, env, want):
+    """oneDNN on AMD CPUs (MKL runs its AVX2 code there), MKL elsewhere; QARL_CPU_GEMM
+    overrides; off the CPU neither (torch's own GEMMs)."""
+    monkeypatch.setattr(K, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(K, "onednn_available", lambda device: device.type == "cpu")
+    monkeypatch.setenv(K.CPU_GEMM_ENV, env)
+    assert K.cpu_fp32_gemm(torch.device("cpu")) == want
+    assert K.cpu_fp32_gemm(torch.device("meta")) is None
+    assert isinstance(precision.gradient_pass(torch.float32, torch.device("cpu")),
+                      precision.LearnerLinears) == (want == "onednn")
+    line = precision.describe_compute(torch.float32, "auto", torch.device("cpu"))
+    assert ("GEMMs by oneDNN" in line) == (want == "onednn")
+    monkeypatch.setenv(K.CPU_GEMM_ENV, "blas")
+    with pytest.raises(ValueError, match=r"QARL_CPU_GEMM='blas'; valid: \['mkl', 'onednn'\]"):
+        K.cpu_fp32_gemm(torch.device("cpu"))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_learner_linears_run_every_linear_by_onednn_with_the_same_gradients(monkeypatch):
+    """Inside LearnerLinears each F.linear (an nn.Linear's forward, with or without bias, on
+    [B, T, K] input) is _LearnerLinear, and forward and gradients equal the MKL ones to fp32
+    rounding."""
+    monkeypatch.setenv(K.CPU_GEMM_ENV, "onednn")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Tanh(),
+                              torch.nn.Linear(96, 32, bias=False))
+    x = torch.randn(3, 5, 64, requires_grad=True)
+
+    def run(mode):
+        net.zero_grad()
+        x.grad = None
+        with mode:
+            y = net(x)
+        y.square().sum().backward()
+        return y, [x.grad.clone()] + [p.grad.clone() for p in net.parameters()]
+
+    def linear_node(y):  # the node under the reshape back to [B, T, N]
+        node = y.grad_fn
+        return type(node.next_functions[0][0] if "View" in type(node).__name__ else node).__name__
+
+    y_dnn, g_dnn = run(precision.LearnerLinears())
+    assert linear_node(y_dnn) == "_LearnerLinearBackward"
+    y_mkl, g_mkl = run(contextlib.nullcontext())
+    assert linear_node(y_mkl) != "_LearnerLinearBackward"
+    torch.testing.assert_close(y_dnn, y_mkl, rtol=1e-5, atol=1e-5)
+    for a, b in zip(g_dnn, g_mkl):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -71,9 +71,9 @@ class TrainSection(BaseModel):
         "auto", description="Dtype of the learner's gradient pass: its forward under autocast "
         "and the straight-through backward's GEMMs. Master weights, optimizer state and every "
         "logp value (old_logp, the ratio's numerator: the exact replay) stay as they are, so it "
-        "changes gradients only, by bf16 rounding. 'auto': bfloat16 on CUDA, float32 on "
-        "every CPU (with AVX512-BF16 a bf16 pass is ~10% faster per run but learned worse on "
-        "the default recipe; without bf16 arithmetic it is emulated, slower than fp32). See "
+        "changes gradients only, by bf16 rounding. 'auto': bfloat16 on CUDA and on CPUs with "
+        "AMX-BF16, float32 on other CPUs (with AVX512-BF16 alone a bf16 pass is no faster "
+        "than fp32 by oneDNN; without bf16 arithmetic it is emulated, slower). See "
         "docs/training.md.")
     grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clip; 0 = off.")
     checkpoint_every: int = Field(

@@ -84,6 +84,12 @@ def has_bf16_math(flags: set[str] | None = None) -> bool:
     return any(f in flags for f in BF16_MATH_FLAGS)
 
 
+def has_amx_bf16(flags: set[str] | None = None) -> bool:
+    """Whether this CPU (`flags`, this CPU's when None) has AMX tiles with bf16 arithmetic."""
+    flags = cpu_flags() if flags is None else flags
+    return {"amx_bf16", "amx_tile"} <= flags
+
+
 def machine() -> dict:
     """What a benchmark figure depends on: CPU name, ISA levels, cores, torch threads, what
     qarl.native.memory did to the allocator, and the instruction sets qarl.native's GEMMs run."""

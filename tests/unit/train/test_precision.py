@@ -9,22 +9,28 @@ import torch
 
 from qarl.config import load_config
 from qarl.quant import kernels as K
+from qarl.native import isa
 from qarl.train import precision
 
 
-@pytest.mark.parametrize("bf16_math", [True, False])
-def test_auto_is_fp32_on_every_cpu_and_bf16_on_cuda(monkeypatch, bf16_math):
-    """'auto' never picks bf16 on a CPU, with bf16 arithmetic or without (a bf16 gradient pass
-    learned worse on the default recipe); the log line says why, per CPU."""
-    monkeypatch.setattr(precision, "has_bf16_math", lambda: bf16_math)
-    assert precision.resolve_compute_dtype("auto", torch.device("cpu")) == torch.float32
+@pytest.mark.parametrize("flags, want", [
+    ({"avx512_bf16", "amx_bf16", "amx_tile"}, torch.bfloat16), ({"avx512_bf16"}, torch.float32),
+    ({"avx2"}, torch.float32)])
+def test_auto_is_bf16_on_amx_cpus_and_cuda_fp32_on_other_cpus(monkeypatch, flags, want):
+    """'auto' picks bf16 where bf16 GEMMs are much faster (AMX-BF16, CUDA), fp32 on other
+    CPUs, with or without AVX512-BF16; the log line says which and why."""
+    monkeypatch.setattr(isa, "cpu_flags", lambda: flags)
+    assert precision.resolve_compute_dtype("auto", torch.device("cpu")) == want
     assert precision.resolve_compute_dtype("auto", torch.device("cuda")) == torch.bfloat16
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         assert precision.resolve_compute_dtype(name, torch.device("cpu")) == dtype
-    line = precision.describe_compute(torch.float32, "auto")
-    assert line.startswith("float32") and "'auto'" in line
-    assert ("learns worse" in line) == bf16_math and ("no bf16 arithmetic" in line) != bf16_math
-    assert precision.describe_compute(torch.bfloat16, "auto").startswith("bfloat16")
+    line = precision.describe_compute(want, "auto")
+    assert line.startswith(str(want).removeprefix("torch.")) and "'auto'" in line
+    reason = {torch.bfloat16: "AMX-BF16", torch.float32: "no AMX" if "avx512_bf16" in flags
+              else "without bf16 arithmetic"}[want]
+    assert reason in line, line
+    assert "bf16 on CUDA" in precision.describe_compute(torch.bfloat16, "auto",
+                                                        torch.device("cuda"))
 
 
 def test_bf16_masters_load_for_a_run_that_trains_nothing():

@@ -118,7 +118,7 @@ def main() -> None:
     if args.readme and overrides:
         raise SystemExit("--readme writes the default recipe's table: drop the overrides "
                          f"{overrides}, or drop --readme")
-    from qarl.native.isa import machine
+    from qarl.native import machine
 
     with tempfile.TemporaryDirectory() as scratch:
         out = args.keep or Path(scratch)

@@ -29,7 +29,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from qarl.config import load_config
-from qarl.native.isa import machine
+from qarl.native import machine
 from qarl.train.follow import FsdpLearner, learner_on_ranks
 from qarl.train.setup import open_run
 from qarl.train.sft import warm_start

@@ -128,7 +128,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4, help="samples per prompt (T = 1)")
     parser.add_argument("--table", action="store_true", help="also print a markdown table")
     args = parser.parse_args()
-    from qarl.native.isa import machine
+    from qarl.native import machine
     from qarl.native.memory import tune_allocator
 
     tune_allocator()

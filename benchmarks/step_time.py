@@ -24,7 +24,7 @@ import tempfile
 import time
 
 from qarl.config import load_config, parse_overrides
-from qarl.native.isa import machine
+from qarl.native import machine
 from qarl.native.memory import tune_allocator
 
 PHASES = ("generate", "reward", "old_logp", "update", "sync")

@@ -269,7 +269,7 @@ def main() -> None:
         return
 
     from qarl.model.zoo import resolve
-    from qarl.native.isa import machine
+    from qarl.native import machine
 
     config = _config(args.recipe, args.tokens)
     model_folder = resolve(config.model.name)  # prepared here, so no arm's time includes it

@@ -41,7 +41,7 @@ from qarl.quant import quantize_model
 from qarl.rollout import LocalEngine
 from qarl.rollout.vllm_engine import VLLMEngine
 from qarl.rollout.vllm_weights import fused_codes, int8_layer_io, vllm_int8_codes
-from qarl.native.isa import machine
+from qarl.native import machine
 from qarl.rollout.vllm_support import (
     KERNEL_AMX, KERNEL_ONEDNN_SATURATING, KERNEL_ONEDNN_VNNI, emulate_amx_dispatch, int8_cpu_kernel,
     int8_gemm_saturates,

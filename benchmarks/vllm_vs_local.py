@@ -28,7 +28,7 @@ import torch
 
 from engine_throughput import decode_ms_per_step  # benchmarks/ is sys.path[0] when run
 from qarl.model import load_model
-from qarl.native.isa import machine
+from qarl.native import machine
 from qarl.quant import quantize_model
 from qarl.rollout import LocalEngine
 from qarl.rollout.vllm_engine import VLLMEngine

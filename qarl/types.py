@@ -80,6 +80,19 @@ class RolloutBatch:
     def sequence_mask(self) -> Tensor:  # [N, P + L] bool: real tokens of prompt and response
         return torch.cat([self.prompt_mask, self.response_mask], dim=1)
 
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        """The batch with its tensors on `device` (itself where they are there already): a
+        vLLM or Ray engine's batch arrives on the CPU, the learner may train elsewhere."""
+        device = torch.device(device)
+        if self.response_ids.device == device:
+            return self
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return RolloutBatch(
+            prompt_ids=move(self.prompt_ids), prompt_mask=move(self.prompt_mask),
+            response_ids=move(self.response_ids), response_mask=move(self.response_mask),
+            rollout_logp=move(self.rollout_logp), finish_reasons=list(self.finish_reasons),
+            routed_experts=move(self.routed_experts))
+
     def select(self, index: Tensor) -> "RolloutBatch":
         """Rows `index` ([K] int64) of the batch, in that order."""
         rows = index.tolist()
@@ -107,7 +120,8 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
 
     def pad(x, width, value, left):
         extra = width - x.shape[1]
-        filler = torch.full((x.shape[0], extra, *x.shape[2:]), value, dtype=x.dtype)
+        filler = torch.full((x.shape[0], extra, *x.shape[2:]), value, dtype=x.dtype,
+                            device=x.device)
         return torch.cat([filler, x] if left else [x, filler], dim=1)
 
     def pad_routed(b: RolloutBatch) -> Tensor:  # [n, P_b + L_b, m, k] -> [n, P + L, m, k]

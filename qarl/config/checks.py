@@ -30,6 +30,7 @@ from qarl.algo import (
 from qarl.config.errors import Problem, short, suggest, unknown_key
 from qarl.config.compare_schema import flatten_overrides
 from qarl.config.dist_checks import dist_is_possible
+from qarl.config.train_checks import device_exists, masters_can_learn
 from qarl.config.resources import RESOURCE_CHECKS
 from qarl.model import SUPPORTED_ARCHITECTURES, ZOO
 from qarl.model.config import MOE_FAMILIES
@@ -229,18 +230,6 @@ def schedule_fits(train) -> list[Problem]:
     return problems
 
 
-def masters_can_learn(model, train, sft) -> list[Problem]:
-    """bfloat16 master weights only where nothing is trained (train.lr = 0, sft.steps = 0)."""
-    if model.master_dtype != "bfloat16" or (train.lr == 0 and sft.steps == 0):
-        return []
-    return [Problem("model.master_dtype", "'bfloat16' master weights round small optimizer "
-                    "updates away (lr 2e-5 AdamW on smollm2-135m: 3.4% of weights moved in 3 "
-                    "steps and held-out accuracy fell), so the run would not learn. Keep "
-                    "'float32' masters and set train.compute_dtype = 'bfloat16' for a bf16 "
-                    "gradient pass ('auto' picks it where the CPU has bf16 arithmetic); a run "
-                    "that only evaluates may keep bfloat16 with train.lr = 0")]
-
-
 def context_fits(model, task, rollout, eval) -> list[Problem]:
     """With model.max_context set, task.max_prompt_tokens + rollout.max_new_tokens and
     task.max_prompt_tokens + eval.max_new_tokens fit in it."""
@@ -379,6 +368,7 @@ CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
     (("algo", "rollout"), overlong_fits),
     (("train",), schedule_fits),
     (("model", "train", "sft"), masters_can_learn),
+    (("train", "dist"), device_exists),
     (("model", "task", "rollout", "eval"), context_fits),
     (("model", "rollout", "quant"), engine_fits),
     (("log",), tensorboard_available),

@@ -75,6 +75,12 @@ class TrainSection(BaseModel):
         "AMX-BF16, float32 on other CPUs (with AVX512-BF16 alone a bf16 pass is no faster "
         "than fp32 by oneDNN; without bf16 arithmetic it is emulated, slower). See "
         "docs/training.md.")
+    device: str = Field(
+        "cpu", description="Where the learner (master weights, optimizer state, gradients), "
+        "the local engine, the replay, the weight sync and evaluation run: 'cpu', 'cuda' or "
+        "'cuda:N'; refused at load where this machine has no such device. Checkpoints are "
+        "written and read through the CPU, so a run resumes on another device. The CUDA path "
+        "is checked by benchmarks/gpu_check.sh (docs/training.md, 'Devices').")
     grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clip; 0 = off.")
     checkpoint_every: int = Field(
         0, ge=0, description="Save a checkpoint every this many steps; 0 = only at the end."

@@ -1,4 +1,5 @@
-"""Native CPU kernels for decoding (AVX2 + FMA), batch-invariant by construction.
+"""Native CPU kernels for decoding (AVX2 + FMA, AVX-512 / VNNI variants chosen at run time),
+batch-invariant by construction; and `machine()`, what every benchmark figure depends on.
 
 `available()` says whether they run here (`why_unavailable()` says why not). Weights are
 packed once (`pack_f32`, `pack_s8`, `pack_u4`) and the packed object is reused for every call:
@@ -20,6 +21,9 @@ Tensors must be on the CPU; x is made contiguous. See README.md for the measured
 
 from __future__ import annotations
 
+import os
+
+from qarl.native import isa
 from qarl.native.build import why_unavailable
 from qarl.native.decode import (
     BlockGemm, DecodeBlock, GemmKind, decode_attention, rms_norm, sample_rows, silu_mul,
@@ -37,5 +41,23 @@ __all__ = [
     "quantize_s8_rows", "quantize_u4", "scale_s32", "S8_ISAS", "s8_isa", "use_s8_isa",
     "F32_ISAS", "f32_isa", "use_f32_isa",
     "decode_attention", "rms_norm", "silu_mul", "BlockGemm", "DecodeBlock", "GemmKind",
-    "sample_rows",
+    "sample_rows", "machine",
 ]
+
+
+def machine() -> dict:
+    """What a benchmark figure depends on: CPU name, ISA levels, cores, torch threads, what
+    qarl.native.memory did to the allocator, and the instruction sets qarl.native's GEMMs run."""
+    import torch
+
+    from qarl.native.memory import allocator
+
+    info = isa._cpuinfo()
+    return {"cpu": isa.cpu_name(), "cpu_id": f"{info.get('vendor_id', '?')} family "
+            f"{info.get('cpu family', '?')} model {info.get('model', '?')}",
+            "isa": isa.isa_levels(), "cores": os.cpu_count(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "allocator": allocator(),
+            # the instruction sets qarl.native's GEMMs dispatch to here (the same bits on each)
+            "native_gemm": ({"f32": f32_isa(), "s8": s8_isa()} if available()
+                            else f"off: {why_unavailable()}")}

@@ -10,7 +10,6 @@ benchmark's JSON carries `machine()` so a figure always names the CPU it came fr
 from __future__ import annotations
 
 import functools
-import os
 import platform
 from pathlib import Path
 
@@ -88,22 +87,3 @@ def has_amx_bf16(flags: set[str] | None = None) -> bool:
     """Whether this CPU (`flags`, this CPU's when None) has AMX tiles with bf16 arithmetic."""
     flags = cpu_flags() if flags is None else flags
     return {"amx_bf16", "amx_tile"} <= flags
-
-
-def machine() -> dict:
-    """What a benchmark figure depends on: CPU name, ISA levels, cores, torch threads, what
-    qarl.native.memory did to the allocator, and the instruction sets qarl.native's GEMMs run."""
-    import torch
-
-    from qarl import native
-    from qarl.native.memory import allocator
-
-    info = _cpuinfo()
-    return {"cpu": cpu_name(), "cpu_id": f"{info.get('vendor_id', '?')} family "
-            f"{info.get('cpu family', '?')} model {info.get('model', '?')}",
-            "isa": isa_levels(), "cores": os.cpu_count(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "allocator": allocator(),
-            # the instruction sets qarl.native's GEMMs dispatch to here (the same bits on each)
-            "native_gemm": ({"f32": native.f32_isa(), "s8": native.s8_isa()} if native.available()
-                            else f"off: {native.why_unavailable()}")}

@@ -211,9 +211,9 @@ class QuantLinear(nn.Module):
         if not needs_grad:
             y = fn(x2)
         else:
-            device = x.device.type
-            compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
-                else torch.float32
+            device = x.device.type  # autocast exists for cpu / cuda / ..., not for meta
+            compute = (torch.get_autocast_dtype(device) if torch.amp.is_autocast_available(device)
+                       and torch.is_autocast_enabled(device) else torch.float32)
             y = _STELinear.apply(x2, self.weight, self.bias, fn, self.scheme.act_qdq,
                                  self.dequantized(compute))
         return y.reshape(*lead, self.out_features)

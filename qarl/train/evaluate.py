@@ -15,7 +15,8 @@ EVAL_CHUNK = 64  # prompts per generate call: bounds the KV cache at eval time
 
 def full_precision_copy(learner: CausalLM) -> CausalLM:
     """A plain CausalLM holding the learner's master weights (no quantization anywhere)."""
-    plain = CausalLM(learner.config).to(learner.model.embed_tokens.weight.dtype)
+    weight = learner.model.embed_tokens.weight
+    plain = CausalLM(learner.config).to(device=weight.device, dtype=weight.dtype)
     masters = {name: p.detach() for name, p in learner.named_parameters()}
     missing, unexpected = plain.load_state_dict(masters, strict=False)
     missing = [n for n in missing if not (n == "lm_head.weight" and learner.config.tie_word_embeddings)]

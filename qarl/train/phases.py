@@ -98,7 +98,8 @@ def compute_advantages(rewards: list[float | None], batch: RolloutBatch, algo: A
                        group_size: int) -> tuple[Tensor, Tensor, dict[str, float]]:
     """Advantages [N] and the rows that take part in the update ([N] bool)."""
     values = torch.tensor([float("nan") if r is None else r for r in rewards],
-                          dtype=torch.float64)  # [N] float64: group statistics in float64
+                          dtype=torch.float64,  # [N] float64: group statistics in float64
+                          device=batch.response_ids.device)
     if algo.overlong is not None:
         values = values + overlong_penalty(batch.response_lengths, algo.overlong.l_max,
                                            algo.overlong.l_cache)

@@ -104,6 +104,11 @@ class Policy:
     quantized: bool  # False when the scheme is the identity (full-precision rollouts)
     audit: ReplayAudit  # how old_logp is computed: a replay, or an audit of one (train/audit.py)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the learner trains (train.device)."""
+        return next(self.learner.model.parameters()).device
+
     def close(self) -> None:
         """End the engine (its rollout workers' actors, if it has any)."""
         self.engine.close()
@@ -209,6 +214,8 @@ def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | No
     one GPU each where vLLM runs on CUDA)."""
     if learner is None:
         learner = load_model(config.model.name, dtype=DTYPES[config.model.master_dtype])
+    # the learner, and the local engine's copy made from it, on train.device
+    learner = learner.to(config.train.device)
     max_context = config.model.max_context
     if config.dist.rollout_workers > 1:
         from qarl.parallel import RayEngines, connect  # Ray only when the recipe asks for it

@@ -54,6 +54,7 @@ def rl_step(policy: Policy, data: Data, config: RunConfig, step: int) -> dict[st
     check_stop()
     with timer("generate"):
         batch = policy.engine.generate(prompt_ids, sampling, seed=seed * 100_003 + step)
+        batch = batch.to(policy.device)  # where a remote or vLLM engine's batch is not
     with timer("reward"):
         scored, completions = reward_responses(data.tokenizer, data.rewards, examples, batch, G)
     advantages, rows, group_metrics = compute_advantages(scored.rewards, batch, config.algo, G)
@@ -147,7 +148,7 @@ class Loop:
             self.log.write(f"resumed from {resume_from} at step {self.done}")
         requested = self.config.train.compute_dtype
         device = next(self.policy.learner.model.parameters()).device
-        self.log.write("learner gradient pass: "
+        self.log.write(f"learner on {device}, gradient pass: "
                        + describe_compute(resolve_compute_dtype(requested, device), requested,
                                         device))
         self.rng = checkpoint.capture_rng()  # the state a checkpoint of `done` steps holds

@@ -185,7 +185,7 @@ def accumulate_gradients(module: torch.nn.Module, exp: Experience, exact: Tensor
     batch, N = exp.batch, exp.batch.num_sequences
     entropy_sum, entropy_count, finite = 0.0, 0, True
     for start in group.micro_batches(range(rows.start, rows.stop, micro_batch_size)):
-        idx = torch.arange(start, min(rows.stop, start + micro_batch_size))
+        idx = torch.arange(start, min(rows.stop, start + micro_batch_size), device=exact.device)
         sub = batch.select(idx)
         with gradient_pass(compute, exact.device):
             fast, entropy = response_logprobs(module, sub, exp.sampling.temperature,

@@ -1,0 +1,51 @@
+"""Checks of the train section that span sections or the machine: the master weights' dtype
+against training, and train.device against the devices this machine has (the `CHECKS` of
+qarl.config.checks run them)."""
+
+from __future__ import annotations
+
+import re
+
+from qarl.config.errors import Problem
+
+
+def masters_can_learn(model, train, sft) -> list[Problem]:
+    """bfloat16 master weights only where nothing is trained (train.lr = 0, sft.steps = 0)."""
+    if model.master_dtype != "bfloat16" or (train.lr == 0 and sft.steps == 0):
+        return []
+    return [Problem("model.master_dtype", "'bfloat16' master weights round small optimizer "
+                    "updates away (lr 2e-5 AdamW on smollm2-135m: 3.4% of weights moved in 3 "
+                    "steps and held-out accuracy fell), so the run would not learn. Keep "
+                    "'float32' masters and set train.compute_dtype = 'bfloat16' for a bf16 "
+                    "gradient pass ('auto' picks it where the CPU has bf16 arithmetic); a run "
+                    "that only evaluates may keep bfloat16 with train.lr = 0")]
+
+
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def device_exists(train, dist) -> list[Problem]:
+    """train.device is 'cpu', 'cuda' or 'cuda:N' naming a CUDA device this machine has; with
+    learner ranks (dist.learner_ranks > 1) it is 'cpu'."""
+    device = train.device
+    if not DEVICE_PATTERN.fullmatch(device):
+        return [Problem("train.device", f"{device!r} is not a device qarl trains on; use "
+                        "'cpu', 'cuda' or 'cuda:N'")]
+    if device == "cpu":
+        return []
+    import torch
+
+    if not torch.cuda.is_available():
+        why = ("this torch is a CPU build" if torch.version.cuda is None
+               else "no CUDA device is visible (CUDA_VISIBLE_DEVICES, driver)")
+        return [Problem("train.device", f"{device!r}, but {why} (torch {torch.__version__}); "
+                        "use 'cpu', or a machine with a GPU and a CUDA build of torch")]
+    count, index = torch.cuda.device_count(), int(device.partition(":")[2] or 0)
+    if index >= count:
+        return [Problem("train.device", f"{device!r}, but this machine has {count} CUDA "
+                        f"device(s): use one of cuda:0..cuda:{count - 1}")]
+    if dist.learner_ranks > 1:
+        return [Problem("train.device", f"{device!r} with dist.learner_ranks = "
+                        f"{dist.learner_ranks}: learner ranks run on the CPU; use one rank "
+                        "on the GPU or train.device = 'cpu'")]
+    return []

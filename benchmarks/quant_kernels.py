@@ -196,10 +196,20 @@ def block_figures(models, batches, formats, layers: int = 30, keys: int = 33) ->
     return out
 
 
+def isa_times(levels: tuple[str, ...], use, call) -> dict[str, float]:
+    """ms of `call()` under each instruction set of `levels` (native.S8_ISAS / F32_ISAS) this
+    CPU runs, `use` switching (native.use_s8_isa / use_f32_isa); back to the best after."""
+    times = {}
+    for isa in levels:
+        if use(isa) == isa:
+            times[f"native_{isa}_ms"] = best_ms(call)
+    use(levels[-1])
+    return times
+
+
 def int8_figures(shapes, rows) -> list[dict]:
     """Part 4 (module docstring): ms per W8A8 layer call by int8 GEMM path."""
     scheme, out = SCHEMES["w8a8-int8"], []
-    isas = [isa for isa in native.S8_ISAS if native.use_s8_isa(isa) == isa]
     for k, n in shapes:
         w = torch.randn(n, k) * 0.05
         qw = scheme.quantize(w)
@@ -207,10 +217,9 @@ def int8_figures(shapes, rows) -> list[dict]:
         wt = qw.codes.t().contiguous()
         for m in rows:
             x = torch.randn(m, k)
-            case = {"m": m, "k": k, "n": n, "fp32_ms": best_ms(lambda: F.linear(x, w))}
-            for isa in isas:
-                native.use_s8_isa(isa)
-                case[f"native_{isa}_ms"] = best_ms(lambda: native.linear_s8_dynamic(x, packed))
+            case = {"m": m, "k": k, "n": n, "fp32_ms": best_ms(lambda: F.linear(x, w)),
+                    **isa_times(native.S8_ISAS, native.use_s8_isa,
+                                lambda: native.linear_s8_dynamic(x, packed))}
 
             def int_mm():  # torch._int_mm takes 17+ rows on CPU: fewer are padded, as in the format
                 xq, xs = native.quantize_s8_rows(x)
@@ -220,26 +229,22 @@ def int8_figures(shapes, rows) -> list[dict]:
             case["int_mm_ms"] = best_ms(int_mm)
             out.append(case)
             print(json.dumps(case), flush=True)
-    native.use_s8_isa(native.S8_ISAS[-1])  # back to the best this CPU has
     return out
 
 
 def f32_figures(shapes, rows) -> list[dict]:
     """Part 5 (module docstring): ms per fp32 layer call by instruction set."""
     out = []
-    isas = [isa for isa in native.F32_ISAS if native.use_f32_isa(isa) == isa]
     for k, n in shapes:
         w = torch.randn(n, k) * 0.05
         packed = native.pack_f32(w)
         for m in rows:
             x = torch.randn(m, k)
-            case = {"m": m, "k": k, "n": n, "fp32_F.linear_ms": best_ms(lambda: F.linear(x, w))}
-            for isa in isas:
-                native.use_f32_isa(isa)
-                case[f"native_{isa}_ms"] = best_ms(lambda: native.linear_f32(x, packed))
+            case = {"m": m, "k": k, "n": n, "fp32_F.linear_ms": best_ms(lambda: F.linear(x, w)),
+                    **isa_times(native.F32_ISAS, native.use_f32_isa,
+                                lambda: native.linear_f32(x, packed))}
             out.append(case)
             print(json.dumps(case), flush=True)
-    native.use_f32_isa(native.F32_ISAS[-1])  # back to the best this CPU has
     return out
 
 

@@ -88,6 +88,13 @@ def pack_s8(codes: Tensor, scales: Tensor) -> PackedS8:
 
 
 F32_ISAS = ("avx2", "avx512")  # the fp32 GEMM's instruction sets, by level (the same bits)
+S8_ISAS = ("avx2", "avx_vnni", "avx512_vnni")  # the int8 GEMM's instruction sets, by level
+
+
+def _use_isa(levels: tuple[str, ...], what: str, name: str, setter) -> str:
+    if name not in levels:
+        raise ValueError(f"unknown {what} instruction set {name!r}; valid: {list(levels)}")
+    return levels[setter(levels.index(name))]
 
 
 def f32_isa() -> str:
@@ -97,15 +104,9 @@ def f32_isa() -> str:
 
 
 def use_f32_isa(name: str) -> str:
-    """Run the fp32 GEMM with `name` (of F32_ISAS; capped at what this CPU has) from now on:
-    for comparing the instruction sets, whose outputs are the same bits. Returns the one now
-    in use."""
-    if name not in F32_ISAS:
-        raise ValueError(f"unknown fp32 instruction set {name!r}; valid: {list(F32_ISAS)}")
-    return F32_ISAS[_lib().qarl_f32_set_isa(F32_ISAS.index(name))]
-
-
-S8_ISAS = ("avx2", "avx_vnni", "avx512_vnni")  # the int8 GEMM's instruction sets, by level
+    """Run the fp32 GEMM with `name` (of F32_ISAS; capped at what this CPU has) from now on,
+    as `use_s8_isa` does for the int8 GEMM. Returns the one now in use."""
+    return _use_isa(F32_ISAS, "fp32", name, _lib().qarl_f32_set_isa)
 
 
 def s8_isa() -> str:
@@ -117,9 +118,7 @@ def use_s8_isa(name: str) -> str:
     """Run the int8 GEMM with `name` (of S8_ISAS; capped at what this CPU has) from now on:
     for comparing the instruction sets, whose outputs are the same bits. Returns the one now
     in use."""
-    if name not in S8_ISAS:
-        raise ValueError(f"unknown int8 instruction set {name!r}; valid: {list(S8_ISAS)}")
-    return S8_ISAS[_lib().qarl_s8_set_isa(S8_ISAS.index(name))]
+    return _use_isa(S8_ISAS, "int8", name, _lib().qarl_s8_set_isa)
 
 
 def linear_s8_dynamic(x: Tensor, w: PackedS8) -> Tensor:

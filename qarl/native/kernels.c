@@ -32,12 +32,8 @@ static int64_t panels(int64_t n) { return (n + NR - 1) / NR; }
 // product and adds run in that order, after the chain, so they never change the chain's bits.
 // The accumulators come by value: passing their array would make the compiler keep them in
 // memory.
-INLINE void store_row(__m256 v0, __m256 v1, __m256 v2, int nc, const float* xs,
-                      const float* bias, const float* res, float* y) {
-    float tmp[NR];
-    _mm256_storeu_ps(tmp, v0);
-    _mm256_storeu_ps(tmp + 8, v1);
-    _mm256_storeu_ps(tmp + 16, v2);
+INLINE void epilogue(const float* tmp, int nc, const float* xs, const float* bias,
+                     const float* res, float* y) {
     for (int j = 0; j < nc; j++) {
         float v = tmp[j];
         if (xs) v = v * xs[0];
@@ -45,6 +41,15 @@ INLINE void store_row(__m256 v0, __m256 v1, __m256 v2, int nc, const float* xs,
         if (res) v = v + res[j];
         y[j] = v;
     }
+}
+
+INLINE void store_row(__m256 v0, __m256 v1, __m256 v2, int nc, const float* xs,
+                      const float* bias, const float* res, float* y) {
+    float tmp[NR];
+    _mm256_storeu_ps(tmp, v0);
+    _mm256_storeu_ps(tmp + 8, v1);
+    _mm256_storeu_ps(tmp + 16, v2);
+    epilogue(tmp, nc, xs, bias, res, y);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -111,13 +116,7 @@ store_row512(__m512 v0, __m256 v1, int nc, const float* xs, const float* bias, c
     float tmp[NR];
     _mm512_storeu_ps(tmp, v0);
     _mm256_storeu_ps(tmp + 16, v1);
-    for (int j = 0; j < nc; j++) {  // store_row's epilogue, in its order
-        float v = tmp[j];
-        if (xs) v = v * xs[0];
-        if (bias) v = v + bias[j];
-        if (res) v = v + res[j];
-        y[j] = v;
-    }
+    epilogue(tmp, nc, xs, bias, res, y);
 }
 
 // Named accumulators rather than arrays, and one function per row count (generated below):
@@ -155,21 +154,15 @@ TILE512(1) TILE512(2) TILE512(3) TILE512(4) TILE512(5) TILE512(6) TILE512(7) TIL
 #undef STORE512
 #undef ROWS512
 
-__attribute__((target("avx2,fma,avx512f"))) static void panel_f32_avx512(
-    const float* x, int64_t M, int64_t K, int64_t ldx, const float* w, int nc, const float* xs,
+// One AVX-512 tile of mr <= MR512 rows (panel_f32 below walks the rows).
+__attribute__((target("avx2,fma,avx512f"))) static void tile_f32_avx512(
+    int mr, int64_t K, const float* x, int64_t ldx, const float* w, int nc, const float* xs,
     const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy) {
-    for (int64_t m0 = 0; m0 < M; m0 += MR512) {
-        int mr = M - m0 < MR512 ? (int)(M - m0) : MR512;
-        const float* xm = x + m0 * ldx;
-        const float* sm = xs ? xs + m0 : 0;
-        const float* rm = res ? res + m0 * ldr : 0;
-        float* ym = y + m0 * ldy;
-        switch (mr) {
-#define CASE512(n) case n: tile_f32_avx512_##n(K, xm, ldx, w, nc, sm, bias, rm, ldr, ym, ldy); break;
-            CASE512(8) CASE512(7) CASE512(6) CASE512(5) CASE512(4) CASE512(3) CASE512(2)
+    switch (mr) {
+#define CASE512(n) case n: tile_f32_avx512_##n(K, x, ldx, w, nc, xs, bias, res, ldr, y, ldy); break;
+        CASE512(8) CASE512(7) CASE512(6) CASE512(5) CASE512(4) CASE512(3) CASE512(2)
 #undef CASE512
-            default: tile_f32_avx512_1(K, xm, ldx, w, nc, sm, bias, rm, ldr, ym, ldy); break;
-        }
+        default: tile_f32_avx512_1(K, x, ldx, w, nc, xs, bias, res, ldr, y, ldy); break;
     }
 }
 
@@ -200,16 +193,17 @@ int qarl_f32_set_isa(int isa) {
 INLINE void panel_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* w,
                       int nc, const float* xs, const float* bias, const float* res, int64_t ldr,
                       float* y, int64_t ldy) {
-    if (qarl_f32_isa() == F32_AVX512) {
-        panel_f32_avx512(x, M, K, ldx, w, nc, xs, bias, res, ldr, y, ldy);
-        return;
-    }
-    for (int64_t m0 = 0; m0 < M; m0 += MR) {
-        int mr = M - m0 < MR ? (int)(M - m0) : MR;
+    const int wide = qarl_f32_isa() == F32_AVX512, height = wide ? MR512 : MR;
+    for (int64_t m0 = 0; m0 < M; m0 += height) {
+        int mr = M - m0 < height ? (int)(M - m0) : height;
         const float* xm = x + m0 * ldx;
         const float* sm = xs ? xs + m0 : 0;
         const float* rm = res ? res + m0 * ldr : 0;
         float* ym = y + m0 * ldy;
+        if (wide) {
+            tile_f32_avx512(mr, K, xm, ldx, w, nc, sm, bias, rm, ldr, ym, ldy);
+            continue;
+        }
         switch (mr) {
             case 4: tile_f32(4, K, xm, ldx, w, nc, sm, bias, rm, ldr, ym, ldy); break;
             case 3: tile_f32(3, K, xm, ldx, w, nc, sm, bias, rm, ldr, ym, ldy); break;

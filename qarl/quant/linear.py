@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from qarl.quant import kernels as K
 from qarl.quant.qweight import QWeight
+from qarl.quant.scheme_base import run_rows
 from qarl.quant.schemes import Scheme, make_scheme
 
 MODES = ("fake", "kernel")
@@ -53,10 +54,11 @@ class _STELinear(torch.autograd.Function):
     weight gradient lands in the master's dtype."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, fn, x_hat_fn, w_hat):
+    def forward(ctx, x, weight, bias, fn, x_hat_fn, w_hat, act):
         # x: [M, K]; weight: master [N, K] (only its grad slot is used); w_hat: [N, K] in the
-        # backward's compute dtype
-        ctx.save_for_backward(x, w_hat)
+        # backward's compute dtype; act: what x_hat_fn(*act) builds x_hat from, (x,) or the
+        # activation codes the forward's kernel ran on (Scheme.act_codes)
+        ctx.save_for_backward(w_hat, *act)
         ctx.x_hat_fn, ctx.has_bias, ctx.dtypes = x_hat_fn, bias is not None, (x.dtype, weight.dtype)
         ctx.compute = w_hat.dtype
         # under autocast x may arrive in bf16 from the op before; the scheme's kernel takes fp32
@@ -64,17 +66,17 @@ class _STELinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # grad: [M, N]
-        x, w_hat = ctx.saved_tensors
+        w_hat, *act = ctx.saved_tensors
         g = grad.to(ctx.compute)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = K.learner_mm(g, w_hat).to(ctx.dtypes[0])  # dL/dx = g W_hat
         if ctx.needs_input_grad[1]:
-            x_hat = ctx.x_hat_fn(x.float()).to(ctx.compute)
+            x_hat = ctx.x_hat_fn(*act).to(ctx.compute)
             grad_w = K.learner_mm(g.t(), x_hat).to(ctx.dtypes[1])  # dL/dW = g^T x_hat
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.float().sum(0)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 class QuantLinear(nn.Module):
@@ -214,8 +216,16 @@ class QuantLinear(nn.Module):
             device = x.device.type  # autocast exists for cpu / cuda / ..., not for meta
             compute = (torch.get_autocast_dtype(device) if torch.amp.is_autocast_available(device)
                        and torch.is_autocast_enabled(device) else torch.float32)
-            y = _STELinear.apply(x2, self.weight, self.bias, fn, self.scheme.act_qdq,
-                                 self.dequantized(compute))
+            codes = self.scheme.act_codes(x2.detach().float()) if self.mode == "kernel" \
+                and self.scheme.kernel_for_gradients(x.device) else None
+            if codes is None:
+                act, x_hat_fn = (x2,), lambda t: self.scheme.act_qdq(t.float())
+            else:  # the kernel runs on codes kept for the backward's x_hat (4x smaller than x)
+                act, x_hat_fn = codes, lambda *c: self.scheme.act_from_codes(c)
+                fn = lambda t: run_rows(lambda _: self.scheme.matmul_codes(codes, qw), t,  # noqa: E731
+                                        self.bias, self.out_features)
+            y = _STELinear.apply(x2, self.weight, self.bias, fn, x_hat_fn,
+                                 self.dequantized(compute), act)
         return y.reshape(*lead, self.out_features)
 
     def _fake(self, x: Tensor) -> Tensor:  # [M, K] -> [M, N] in x's dtype

@@ -135,6 +135,20 @@ class Scheme:
             found = qw.prepared[key] = build()
         return found
 
+    def act_codes(self, x: Tensor) -> tuple[Tensor, ...] | None:
+        """The gradient pass's activation codes of x [M, K] float32, where the kernel runs on
+        codes computed outside it (`matmul_codes`): the straight-through backward then builds
+        x_hat from them (`act_from_codes`) instead of quantizing x again, and keeps the codes
+        instead of x. None (the default): the kernel quantizes inside, or the format has no
+        such split."""
+        return None
+
+    def matmul_codes(self, codes: tuple[Tensor, ...], qw: QWeight) -> Tensor:  # -> [M, N]
+        raise NotImplementedError(f"{type(self).__name__} has no activation codes")
+
+    def act_from_codes(self, codes: tuple[Tensor, ...]) -> Tensor:  # -> [M, K] = act_qdq(x)
+        raise NotImplementedError(f"{type(self).__name__} has no activation codes")
+
     def kernel_for_gradients(self, device: torch.device) -> bool:
         """Whether a learner's gradient pass (kernel alignment, with grad) runs this kernel,
         or F.linear on act_qdq(x) and the dequantized weight: the same function up to

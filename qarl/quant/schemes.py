@@ -119,20 +119,37 @@ class Int8Scheme(Scheme):
     def kernel_for_gradients(self, device: torch.device) -> bool:
         return True  # exact int32 sums at int8 speed (int_mm / native); AVX2 kept as it was
 
-    def matmul(self, x: Tensor, qw: QWeight) -> Tensor:
+    def _rows_method(self, x: Tensor) -> str:
         method = self.method(x.device)
         if method == "int_mm" and x.shape[0] < INT_MM_MIN_ROWS and K.native_ok(x.device):
             method = "native"  # faster at a few rows; the same exact sums, the same bits
+        return method
+
+    def matmul(self, x: Tensor, qw: QWeight) -> Tensor:
+        method = self._rows_method(x)
         if method == "native":
-            # int8_rows, the exact GEMM and (acc * s_x) * s_w, like the lines below, in one call
+            # int8_rows, the exact GEMM and (acc * s_x) * s_w, like matmul_codes, in one call
             return nat.linear_s8_dynamic(x.float(), self._native(qw, x.device))
-        xq, xs = _int8_rows(x)  # [M, K] int8, [M]
+        return self.matmul_codes(_int8_rows(x), qw)
+
+    def act_codes(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
+        # where the native kernel runs these rows it quantizes inside: no codes to keep
+        return None if self._rows_method(x) == "native" else _int8_rows(x)
+
+    def act_from_codes(self, codes: tuple[Tensor, Tensor]) -> Tensor:
+        xq, xs = codes
+        return xq.float() * xs[:, None]  # = act_qdq(x) bit for bit
+
+    def matmul_codes(self, codes: tuple[Tensor, Tensor], qw: QWeight) -> Tensor:
+        xq, xs = codes  # [M, K] int8, [M]
+        method = self.method(xq.device)
+        method = "int_mm" if method == "native" else method  # the same exact int32 sums
         operand = None
         if method in ("sgemm", "onednn"):
-            operand = self.prepared(qw, x.device, method,
+            operand = self.prepared(qw, xq.device, method,
                                     lambda: K.int8_chunks(qw.codes, method == "onednn"))
-        elif x.device.type == "cpu":  # int_mm: oneDNN is 10x faster on a contiguous [K, N]
-            operand = self.prepared(qw, x.device, "int_mm-kn", lambda: [qw.codes.t().contiguous()])
+        elif xq.device.type == "cpu":  # int_mm: oneDNN is 10x faster on a contiguous [K, N]
+            operand = self.prepared(qw, xq.device, "int_mm-kn", lambda: [qw.codes.t().contiguous()])
         acc = K.exact_int8_gemm(xq, qw.codes, method, operand)  # [M, N] int32, exact
         # y = (acc * s_x) * s_w
         if acc.device.type == "cpu" and K.native_ok(acc.device):

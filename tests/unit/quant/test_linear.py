@@ -163,3 +163,30 @@ def test_ste_backward_under_bf16_autocast_multiplies_in_bf16(name):
     scale = grad32.abs().max()
     assert (layer.weight.grad - grad32).abs().max() <= 3e-2 * scale
     assert (xs[1].grad - xs[0].grad).abs().max() <= 3e-2 * xs[0].grad.abs().max()
+
+
+def test_int8_gradient_pass_keeps_activation_codes_not_inputs():
+    """W8A8 in kernel mode with grad, at rows where the int8 GEMM runs on codes computed
+    outside it (16+ on a CPU): the layer keeps the int8 codes and scales of x for the
+    backward, not x (4x smaller), and the gradients are those of x_hat = act_qdq(x) (the
+    same straight-through gradient as the re-quantizing path, bit for bit)."""
+    from qarl.quant import kernels as K
+
+    layer = _layer("w8a8-int8", "kernel")
+    x = torch.randn(40, 256, requires_grad=True)
+    g = torch.randn(40, 96)
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, tuple(t.shape)))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(x)
+    assert (torch.int8, (40, 256)) in saved and (torch.float32, (40, 256)) not in saved
+    (y * g).sum().backward()
+    x_hat = layer.scheme.act_qdq(x.detach())
+    assert torch.equal(layer.weight.grad, K.learner_mm(g.t(), x_hat))
+    assert torch.equal(x.grad, K.learner_mm(g, layer.dequantized()))
+    # the forward's value is the kernel's own (the engine's bits)
+    assert torch.equal(y.detach(), layer.scheme.linear(x.detach(), layer.qweight(), layer.bias))

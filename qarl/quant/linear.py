@@ -12,6 +12,9 @@ Backward (both modes) is the straight-through estimator: quantizers count as ide
 so with x_hat = act_qdq(x) and W_hat = dequantize(quantize(W)):
     dL/dx = g W_hat,   dL/dW = g^T x_hat,   dL/db = sum_rows g
 i.e. the gradient of F.linear(x_hat, W_hat) w.r.t. W_hat lands on the master weight W.
+Where the kernel runs on activation codes computed outside it (`Scheme.act_codes`: W8A8 at
+16+ rows), the layer keeps those codes instead of x and builds x_hat from them: the same
+x_hat, without a second quantization, in a quarter of the memory.
 
 Weights are quantized once per weight version: the cache key is (data_ptr, _version) of the
 master weight, which every in-place optimizer update, `copy_` or `.to()` changes. Decoding

@@ -7,6 +7,11 @@ runs under `torch.autocast` and the straight-through backward of every QuantLine
 (`qarl.quant.linear`) multiplies in bf16 with fp32 results. Master weights and optimizer
 state stay in model.master_dtype (float32), which is what lets small AdamW updates land:
 bf16 master weights round an lr-2e-5 update away (docs/training.md).
+
+In fp32 the same freedom lets the pass pick its GEMM library: on CPUs where oneDNN beats
+torch's MKL (AMD: `kernels.cpu_fp32_gemm`), `LearnerLinears` routes the learner's plain linears
+through oneDNN and QuantLinear's backward takes `kernels.learner_mm`; the gradient changes by
+fp32 summation order only.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from qarl import native as nat
 from qarl.config import load_config
 from qarl.quant import QWeight, export_state, quant_layers
 from qarl.quant import kernels as K
@@ -160,3 +161,25 @@ def test_onednn_and_mkl_gradient_passes_take_the_same_step(tmp_path, monkeypatch
     big = a.abs() > 0.5 * a.abs().max()
     assert torch.equal(torch.sign(a)[big], torch.sign(b)[big])
     assert (b - a).norm() <= 1e-2 * a.norm()
+
+
+@pytest.mark.skipif(not nat.available(), reason="native kernels")
+def test_avx2_kernels_keep_the_replay_exact(tmp_path, monkeypatch):
+    """With the native GEMMs forced to their AVX2 instruction sets and the learner's GEMMs to
+    MKL (an AVX2-only CPU's paths, as far as this CPU can run them), a step's replay still
+    equals the sampler bit for bit and the engine holds the learner's codes."""
+    monkeypatch.setenv(K.CPU_GEMM_ENV, "mkl")
+    f32, s8 = nat.f32_isa(), nat.s8_isa()
+    try:
+        assert nat.use_f32_isa("avx2") == "avx2" and nat.use_s8_isa("avx2") == "avx2"
+        config = _config(tmp_path)
+        with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
+            metrics = rl_step(policy, data, config, step=STEP)
+            learner_codes = export_state(policy.learner.model)
+            engine_layers = quant_layers(policy.engine.model)
+    finally:
+        nat.use_f32_isa(f32)
+        nat.use_s8_isa(s8)
+    assert metrics["mismatch/abs_diff_max"] == 0.0 and metrics.get("audit/failed", 0.0) == 0.0
+    for name, layer in engine_layers.items():
+        assert torch.equal(learner_codes[f"{name}.weight"].codes, layer.qweight().codes), name

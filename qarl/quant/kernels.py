@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qarl import native
-from qarl.native.isa import cpu_vendor
+from qarl.native.isa import cpu_flags, cpu_vendor
 
 BI_TILE = 16  # rows per GEMM call in batch_invariant_linear
 INT8_SGEMM_CHUNK = 1024  # 1024 * 127 * 127 < 2^24: fp32 partial sums stay exact integers
@@ -159,7 +159,8 @@ CPU_GEMMS = ("mkl", "onednn")
 
 def cpu_fp32_gemm(device: torch.device) -> str | None:
     """Which library runs the learner's fp32 gradient-pass GEMMs on `device`: "onednn" on AMD
-    CPUs (or as QARL_CPU_GEMM asks), "mkl" on other CPUs, None off the CPU (torch's own)."""
+    CPUs with AVX-512 (or as QARL_CPU_GEMM asks), "mkl" on other CPUs, None off the CPU
+    (torch's own)."""
     if device.type != "cpu":
         return None
     asked = os.environ.get(CPU_GEMM_ENV, "")
@@ -167,7 +168,9 @@ def cpu_fp32_gemm(device: torch.device) -> str | None:
         if asked not in CPU_GEMMS:
             raise ValueError(f"{CPU_GEMM_ENV}={asked!r}; valid: {list(CPU_GEMMS)} (or unset)")
         return asked if asked == "mkl" or onednn_available(device) else "mkl"
-    return "onednn" if onednn_available(device) and cpu_vendor() == "AuthenticAMD" else "mkl"
+    # AVX2-only AMD CPUs keep MKL: there both libraries run AVX2 code, and it is unmeasured
+    amd_avx512 = cpu_vendor() == "AuthenticAMD" and "avx512f" in cpu_flags()
+    return "onednn" if onednn_available(device) and amd_avx512 else "mkl"
 
 
 # oneDNN keeps a primitive, with its buffers, per GEMM shape; a learner's row counts change

@@ -39,13 +39,16 @@ def test_bf16_masters_load_for_a_run_that_trains_nothing():
     assert config.model.master_dtype == "bfloat16"
 
 
-@pytest.mark.parametrize("vendor, env, want", [
-    ("AuthenticAMD", "", "onednn"), ("GenuineIntel", "", "mkl"), ("", "", "mkl"),
-    ("GenuineIntel", "onednn", "onednn"), ("AuthenticAMD", "mkl", "mkl")])
-def test_cpu_fp32_gemm_library_by_vendor_and_environment(monkeypatch, vendor, env, want):
-    """oneDNN on AMD CPUs (MKL runs its AVX2 code there), MKL elsewhere; QARL_CPU_GEMM
-    overrides; off the CPU neither (torch's own GEMMs)."""
+@pytest.mark.parametrize("vendor, flags, env, want", [
+    ("AuthenticAMD", {"avx2", "avx512f"}, "", "onednn"), ("AuthenticAMD", {"avx2"}, "", "mkl"),
+    ("GenuineIntel", {"avx2", "avx512f"}, "", "mkl"), ("", set(), "", "mkl"),
+    ("GenuineIntel", {"avx2"}, "onednn", "onednn"), ("AuthenticAMD", {"avx512f"}, "mkl", "mkl")])
+def test_cpu_fp32_gemm_library_by_vendor_and_environment(monkeypatch, vendor, flags, env, want):
+    """oneDNN on AMD CPUs with AVX-512 (MKL runs its AVX2 code there), MKL elsewhere, the
+    AVX2-only AMD CPUs included; QARL_CPU_GEMM overrides; off the CPU neither (torch's own
+    GEMMs)."""
     monkeypatch.setattr(K, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(K, "cpu_flags", lambda: flags)
     monkeypatch.setattr(K, "onednn_available", lambda device: device.type == "cpu")
     monkeypatch.setenv(K.CPU_GEMM_ENV, env)
     assert K.cpu_fp32_gemm(torch.device("cpu")) == want

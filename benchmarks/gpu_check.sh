@@ -12,6 +12,7 @@
 #
 #     bash benchmarks/gpu_check.sh                 # about 4-6 minutes on a bare H200 box
 #     QARL_GPU_VLLM=1 bash benchmarks/gpu_check.sh # and vLLM (a large download)
+#     QARL_GPU_DEVICE=cpu QARL_GPU_STEPS=2 bash benchmarks/gpu_check.sh   # a dry run on a CPU
 #
 # Each part's exit status and output tail go into the JSON; the script itself exits 0 unless
 # the set-up fails, so one failing part never hides the others' figures.
@@ -21,6 +22,7 @@ OUT_JSON="${1:-${OUT:-.}/gpu_check.json}"
 WORK="$(mktemp -d)"
 VENV="${QARL_GPU_VENV:-.venv-gpu}"
 STEPS="${QARL_GPU_STEPS:-3}"
+DEVICE="${QARL_GPU_DEVICE:-cuda}"  # QARL_GPU_DEVICE=cpu dry-runs the script on a CPU machine
 started=$(date +%s)
 
 log() { echo "[gpu_check $(( $(date +%s) - started ))s] $*" >&2; }
@@ -44,8 +46,8 @@ echo $? >"$WORK/tests_gpu.rc"
 
 # --- 2. the default recipe on CUDA, kernel and fake alignment -------------------------------
 for align in kernel fake; do
-    log "qarl train on cuda, quant.align=$align, $STEPS steps"
-    "$PY" -m qarl train --train.device=cuda --quant.align="$align" --train.steps="$STEPS" \
+    log "qarl train on $DEVICE, quant.align=$align, $STEPS steps"
+    "$VENV/bin/qarl" train --train.device="$DEVICE" --quant.align="$align" --train.steps="$STEPS" \
         --eval.size=8 --run.output_dir="$WORK/runs" --run.name="$align" --log.progress=false \
         >"$WORK/train_$align.log" 2>&1
     echo $? >"$WORK/train_$align.rc"
@@ -66,7 +68,7 @@ fi
 # --- the JSON --------------------------------------------------------------------------------
 log "writing $OUT_JSON"
 mkdir -p "$(dirname "$OUT_JSON")"
-"$PY" - "$WORK" "$OUT_JSON" "$started" <<'EOF'
+"$PY" - "$WORK" "$OUT_JSON" "$started" "$DEVICE" <<'EOF'
 import json, subprocess, sys, time
 from pathlib import Path
 
@@ -104,7 +106,7 @@ try:
 except (OSError, subprocess.TimeoutExpired):
     smi = ""
 report = {
-    "benchmark": "gpu_check", "torch": torch.__version__, "gpu": gpu, "nvidia_smi": smi.strip(),
+    "benchmark": "gpu_check", "device": sys.argv[4], "torch": torch.__version__, "gpu": gpu, "nvidia_smi": smi.strip(),
     "tests_gpu": part("tests_gpu"),
     "train": {align: {"process": part(f"train_{align}"), "steps": run_figures(align)}
               for align in ("kernel", "fake")},

@@ -17,7 +17,7 @@ def masters_can_learn(model, train, sft) -> list[Problem]:
                     "updates away (lr 2e-5 AdamW on smollm2-135m: 3.4% of weights moved in 3 "
                     "steps and held-out accuracy fell), so the run would not learn. Keep "
                     "'float32' masters and set train.compute_dtype = 'bfloat16' for a bf16 "
-                    "gradient pass ('auto' picks it where the CPU has bf16 arithmetic); a run "
+                    "gradient pass ('auto' picks it on CUDA and CPUs with AMX-BF16); a run "
                     "that only evaluates may keep bfloat16 with train.lr = 0")]
 
 

@@ -41,9 +41,11 @@ def _cpuinfo() -> dict[str, str]:
     return fields
 
 
-def cpu_flags() -> set[str]:
-    """The x86 feature flags of this CPU (/proc/cpuinfo); empty where unknown."""
-    return set(_cpuinfo().get("flags", "").split())
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The x86 feature flags of this CPU (/proc/cpuinfo), read once; empty where unknown (the
+    learner's GEMM dispatch asks on every call)."""
+    return frozenset(_cpuinfo().get("flags", "").split())
 
 
 def cpu_vendor() -> str:

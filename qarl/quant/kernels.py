@@ -185,8 +185,8 @@ def _padded(t: Tensor, rows: int, cols: int) -> Tensor:
     return F.pad(t, (0, pad_c, 0, pad_r)) if pad_r or pad_c else t
 
 
-def _onednn_mm(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
-    """a [M, K] @ b [K, N] (+ bias [N]) by oneDNN, M and K padded to ONEDNN_ROWS."""
+def onednn_mm(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
+    """a [M, K] @ b [K, N] (+ bias [N]) fp32 by oneDNN, M and K padded to ONEDNN_ROWS."""
     M, K = a.shape
     a = _padded(a, M, K)
     b = _padded(b, K, 0)
@@ -200,15 +200,8 @@ def learner_mm(a: Tensor, b: Tensor) -> Tensor:
     picks it for fp32 operands, torch's matmul otherwise. The same product up to fp32
     summation order (a gradient; no logp value comes from it)."""
     if a.dtype == b.dtype == torch.float32 and cpu_fp32_gemm(a.device) == "onednn":
-        return _onednn_mm(a, b)
+        return onednn_mm(a, b)
     return a @ b
-
-
-def learner_linear(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
-    """x [M, K] w[N, K]^T (+ b) for the learner's gradient pass, as `learner_mm`."""
-    if x.dtype == w.dtype == torch.float32 and cpu_fp32_gemm(x.device) == "onednn":
-        return _onednn_mm(x, w.t(), None if bias is None else bias.float())
-    return F.linear(x, w, bias)
 
 
 def cuda_fp8_supported(device: torch.device, n: int, k: int) -> bool:

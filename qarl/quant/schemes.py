@@ -141,9 +141,10 @@ class Int8Scheme(Scheme):
         return xq.float() * xs[:, None]  # = act_qdq(x) bit for bit
 
     def matmul_codes(self, codes: tuple[Tensor, Tensor], qw: QWeight) -> Tensor:
+        # rows the native kernel runs never come here (matmul, act_codes): method is a GEMM
+        # of kernels.exact_int8_gemm
         xq, xs = codes  # [M, K] int8, [M]
         method = self.method(xq.device)
-        method = "int_mm" if method == "native" else method  # the same exact int32 sums
         operand = None
         if method in ("sgemm", "onednn"):
             operand = self.prepared(qw, xq.device, method,

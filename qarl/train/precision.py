@@ -48,21 +48,22 @@ def gradient_pass(dtype: torch.dtype, device: torch.device) -> ContextManager:
 
 
 class _LearnerLinear(torch.autograd.Function):
-    """y = x W^T (+ b) with its three GEMMs by `kernels.learner_linear` / `learner_mm`: the
-    gradient pass's fp32 linear on a CPU whose MKL is the slower library (module docstring of
-    qarl.quant.kernels: ~2x on AMD Zen 5). x [M, K], weight [N, K], bias [N] or None."""
+    """y = x W^T (+ b) with its three GEMMs by oneDNN (`kernels.onednn_mm`): the gradient
+    pass's fp32 linear on a CPU whose MKL is the slower library (`learner_linear` decides;
+    module docstring of qarl.quant.kernels: ~2x on AMD Zen 5). x [M, K] fp32, weight [N, K]
+    fp32, bias [N] or None."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return K.learner_linear(x, weight, bias)
+        return K.onednn_mm(x, weight.t(), None if bias is None else bias.float())
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # grad [M, N]
         x, weight = ctx.saved_tensors
-        grad_x = K.learner_mm(grad, weight) if ctx.needs_input_grad[0] else None
-        grad_w = K.learner_mm(grad.t(), x) if ctx.needs_input_grad[1] else None
+        grad_x = K.onednn_mm(grad, weight) if ctx.needs_input_grad[0] else None
+        grad_w = K.onednn_mm(grad.t(), x) if ctx.needs_input_grad[1] else None
         grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b
 

@@ -147,7 +147,7 @@ class Loop:
         if resume_from is not None:
             self.log.write(f"resumed from {resume_from} at step {self.done}")
         requested = self.config.train.compute_dtype
-        device = next(self.policy.learner.model.parameters()).device
+        device = self.policy.device
         self.log.write(f"learner on {device}, gradient pass: "
                        + describe_compute(resolve_compute_dtype(requested, device), requested,
                                         device))

@@ -22,7 +22,7 @@ class RunSection(BaseModel):
     resume: bool = Field(
         True,
         description="Resume from the last checkpoint in the run folder if there is one (the "
-        "recipe must be the one it was saved with, save for train.steps, micro-batch, "
+        "recipe must be the one it was saved with, save for train.steps, micro-batch, device, "
         "checkpoint and log settings); false starts from step 0 and clears the folder's "
         "checkpoints and metrics. `qarl train --resume RUN_DIR` resumes with the saved recipe.",
     )

@@ -2,7 +2,8 @@
 
 A resumed run continues the same run: its recipe must be the one its checkpoint was saved
 with, except for RESUME_FREE keys, which do not change what a step computes (beyond the last
-bits, for train.micro_batch_size and dist.learner_ranks; dist.rollout_workers not at all)
+bits, for train.micro_batch_size, train.device and dist.learner_ranks; dist.rollout_workers
+not at all)
 or only say how long to train: `train.steps` (with a decaying lr_schedule, the lr of the
 remaining steps follows the new length). Anything else is refused with the differences
 listed: a run half with one recipe and half with another is not the run either recipe
@@ -24,8 +25,9 @@ from qarl.config import RESOLVED_NAME, ConfigError, Problem, RunConfig, load_con
 from qarl.errors import UserError
 from qarl.train import checkpoint
 
-RESUME_FREE = ("train.steps", "train.micro_batch_size", "train.checkpoint_every",
-               "train.keep_checkpoints", "train.max_bad_steps", "train.audit_fraction",
+RESUME_FREE = ("train.steps", "train.micro_batch_size", "train.device",
+               "train.checkpoint_every", "train.keep_checkpoints", "train.max_bad_steps",
+               "train.audit_fraction",
                "train.audit_full_every", "run.output_dir", "run.name", "run.resume", "log.",
                "dist.")
 

@@ -170,6 +170,14 @@ def test_a_resumed_run_keeps_its_recipe(tmp_path):
                                                 "log.progress": True}), tmp_path)
 
 
+def test_a_run_saved_on_another_device_resumes_here(tmp_path):
+    """train.device may change at a resume (checkpoints are device-independent): a run saved
+    on cuda:0 resumes with a recipe for this machine's CPU."""
+    saved = load_config("tiny")
+    saved = saved.model_copy(update={"train": saved.train.model_copy(update={"device": "cuda:0"})})
+    check_resumable(saved, load_config("tiny"), tmp_path)
+
+
 def test_a_recipe_without_an_optional_section_resumes(tmp_path):
     """The default recipe has no [compare] section (None in the config): its resume check
     compares it like any key instead of failing on it; a [compare] section added since is a

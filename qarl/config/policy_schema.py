@@ -75,6 +75,24 @@ class QuantSection(BaseModel):
         description="Keyword options passed to the scheme, e.g. {group_size = 64} for "
         "w4a16-int4. Names are checked against the scheme.",
     )
+    contract_exempt: list[str] = Field(
+        default_factory=list,
+        description="Linear layers (names matched as in include) that may be quantized on one "
+        "side only or differently: the quantization contract (docs/training.md) lists them as "
+        "exempt instead of stopping the run before step 1.",
+    )
+    sync_check: bool = Field(
+        True,
+        description="After every weight sync, compare a digest (CRC-32 per tensor part) of what "
+        "each engine replica holds with what the learner pushed; a difference stops the run "
+        "naming the layers. Costs ~2% of a default step (contract/seconds).",
+    )
+    over_budget: Literal["flag", "stop"] = Field(
+        "flag",
+        description="A step whose learner-vs-sampler mismatch exceeds the measured budget of "
+        "its (scheme, align, engine) (qarl/quant/budgets.json): 'flag' marks it "
+        "(contract/over_budget) and logs it; 'stop' ends the run before that step's update.",
+    )
     routing_replay: bool = Field(False, description="MoE models: the learner uses the experts the "
         "engine chose for each token (its own router's probabilities weight them) in old_logp "
         "and the update (routing replay, R3). Needs a MoE model (qwen3_moe, mixtral).")

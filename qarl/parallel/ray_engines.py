@@ -76,6 +76,9 @@ class EngineWorker:
         """The codes and scales this engine decodes with, per quantized layer."""
         return self.engine.qweights()
 
+    def weight_digests(self) -> list[dict[str, tuple[int, ...]]]:
+        return self.engine.weight_digests()
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -143,6 +146,12 @@ class RayEngines:
     def qweights(self) -> dict[str, QWeight]:
         """The codes and scales the engines decode with (actor 0's; they all hold the same)."""
         return self._run([(0, "qweights", ())])[0]
+
+    def weight_digests(self) -> list[dict[str, tuple[int, ...]]]:
+        """`Engine.weight_digests`: every actor's own, computed in the actor (digests travel,
+        not weights), in actor order."""
+        per_actor = self._run([(k, "weight_digests", ()) for k in range(len(self.workers))])
+        return [d for digests in per_actor for d in digests]
 
     def close(self) -> None:
         """End the actors (their CPUs / GPUs go back to the cluster)."""

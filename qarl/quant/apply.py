@@ -30,16 +30,17 @@ FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 ROUTER_SUFFIX = "mlp.gate"  # a MoE router's module name ends so (experts end in *_proj)
 
 
-def _matches(name: str, pattern: str) -> bool:
+def name_matches(name: str, pattern: str) -> bool:
     if any(c in pattern for c in "*?["):
         return fnmatch(name, pattern)
     return pattern in name
 
 
-def _selected(name: str, include, exclude) -> bool:
+def is_selected(name: str, include, exclude) -> bool:
     if name.endswith("." + ROUTER_SUFFIX):  # a router: only when a pattern names it
         include = [p for p in include if p.endswith(ROUTER_SUFFIX)]
-    return any(_matches(name, p) for p in include) and not any(_matches(name, p) for p in exclude)
+    return (any(name_matches(name, p) for p in include)
+            and not any(name_matches(name, p) for p in exclude))
 
 
 def quantize_model(
@@ -61,7 +62,7 @@ def quantize_model(
     exclude = tuple(exclude or ())
     swapped = 0
     for name, module in list(model.named_modules()):
-        if not name or not _selected(name, include, exclude):
+        if not name or not is_selected(name, include, exclude):
             continue
         if isinstance(module, QuantLinear):
             module.scheme, module.mode = scheme, mode

@@ -30,6 +30,7 @@ from torch import Tensor
 from qarl.model.cache import KVCache
 from qarl.model.decoder import CausalLM, positions_from_mask
 from qarl.quant import load_state, quant_layers
+from qarl.quant.contract import engine_digests
 from qarl.rollout.plan import DecodePlan, DecodePlanner
 from qarl.rollout.routing import RoutingTable
 from qarl.rollout.sampling import row_uniforms, sample, sampler_logprobs
@@ -126,6 +127,10 @@ class LocalEngine:
     def qweights(self) -> dict:
         """The codes and scales each quantized layer decodes with (`Engine.qweights`)."""
         return {name: layer.qweight() for name, layer in quant_layers(self.model).items()}
+
+    def weight_digests(self) -> list[dict[str, tuple[int, ...]]]:
+        """`Engine.weight_digests`: of the model the decode plan packs its weights from."""
+        return [engine_digests(self.model)]
 
     def close(self) -> None:
         """Nothing to release: the engine lives in this process."""

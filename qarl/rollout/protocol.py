@@ -87,6 +87,13 @@ class Engine(Protocol):
         full-precision rollouts): what the weight sync compares from step to step."""
         ...
 
+    def weight_digests(self) -> list[dict[str, tuple[int, ...]]]:
+        """Per replica of the policy the engine samples with (one, or one per Ray actor): the
+        digests of what it holds, keyed like `qarl.quant.contract.state_digests` of the last
+        state it installed (`qarl.quant.contract.engine_digests`): the weight sync compares
+        them with the learner's after every push (the quantization contract)."""
+        ...
+
     def close(self) -> None:
         """Release what the engine holds outside this object (actors, processes); a no-op
         for an engine that holds none. The engine is not used after."""

@@ -246,6 +246,15 @@ class VLLMEngine:
         (`Engine.qweights`)."""
         return {name: layer.qweight() for name, layer in quant_layers(self.model).items()}
 
+    def weight_digests(self) -> list[dict[str, tuple[int, ...]]]:
+        """`Engine.weight_digests` of the qarl copy, whose checkpoint-format tensors every
+        push hands to vLLM (`load_weights`); vLLM's repacked kernel operands (oneDNN handles)
+        cannot be read back, so a fault inside vLLM's own repacking shows in the mismatch
+        budget, not here."""
+        from qarl.quant.contract import engine_digests
+
+        return [engine_digests(self.model)]
+
     def close(self) -> None:
         """vLLM runs in this process: it goes with the engine object."""
 

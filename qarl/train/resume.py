@@ -29,7 +29,8 @@ RESUME_FREE = ("train.steps", "train.micro_batch_size", "train.device",
                "train.checkpoint_every", "train.keep_checkpoints", "train.max_bad_steps",
                "train.audit_fraction",
                "train.audit_full_every", "run.output_dir", "run.name", "run.resume", "log.",
-               "dist.")
+               "dist.", "monitor.", "quant.contract_exempt", "quant.sync_check",
+               "quant.over_budget")
 
 
 def _free(key: str) -> bool:

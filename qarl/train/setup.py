@@ -35,6 +35,7 @@ from qarl.quant import SCHEMES, quantize_model, release_masters
 from qarl.rollout import ENGINES, Engine, LocalEngine
 from qarl.tasks import Example, RewardRunner, Task, make_task
 from qarl.train.audit import ReplayAudit
+from qarl.train.contract import RunContract
 from qarl.train.learner import AlignedLearner, Learner
 from qarl.train.optim import build_optimizer
 from qarl.train.sync import WeightSync
@@ -103,6 +104,7 @@ class Policy:
     sync: WeightSync  # learner -> engine weight push
     quantized: bool  # False when the scheme is the identity (full-precision rollouts)
     audit: ReplayAudit  # how old_logp is computed: a replay, or an audit of one (train/audit.py)
+    contract: RunContract  # the quantization contract: layer table, budget (train/contract.py)
 
     @property
     def device(self) -> torch.device:
@@ -239,7 +241,8 @@ def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | No
              and not learner.config.moe_layers)
     audit = ReplayAudit(exact, config.train.audit_fraction, config.train.audit_full_every)
     return Policy(AlignedLearner(learner, optimizers, replayer, config.quant.routing_replay),
-                  engine, WeightSync(learner, engine), quantized=not identity, audit=audit)
+                  engine, WeightSync(learner, engine, config.quant.sync_check),
+                  quantized=not identity, audit=audit, contract=RunContract(config, exact))
 
 
 def report_dataset(task: Task, run_dir: Path) -> None:

@@ -7,6 +7,13 @@ deployed low-bit policy at all (at small learning rates most int8 codes do not m
 - `sync/seconds`, `sync/megabytes`: time of export + install (+ the engine's own quantization
   in the naive setup, where it receives full-precision weights).
 The comparison reads the engine's QuantLinear layers, so it means the same in every mode.
+
+And checks the quantization contract (qarl/quant/contract.py) after every push, where
+`quant.sync_check` is on (the default): the digests of what each engine replica now holds
+(`Engine.weight_digests`, computed where the engine runs: a Ray actor sends digests, not
+weights) must equal those of what the learner pushed, else `ContractBroken` names the replica
+and the layers, before the engine samples from them. `contract/seconds` is its cost.
+`contract_table` is the layer table a run checks and saves at its start.
 """
 
 from __future__ import annotations
@@ -15,12 +22,16 @@ import time
 
 import torch
 
+from qarl.config import QuantSection
 from qarl.quant import QWeight, export_state
+from qarl.quant.contract import (
+    ContractBroken, LayerRow, digest_mismatches, layer_table, state_digests,
+)
 
 
 class WeightSync:
-    def __init__(self, learner, engine):
-        self.learner, self.engine = learner, engine
+    def __init__(self, learner, engine, check: bool = True):
+        self.learner, self.engine, self.check = learner, engine, check
         self.previous: dict[str, QWeight] = {}
 
     def push(self) -> dict[str, float]:
@@ -32,10 +43,35 @@ class WeightSync:
         megabytes = sum(v.nbytes() if isinstance(v, QWeight) else v.numel() * v.element_size()
                         for v in state.values()) / 2**20
         metrics = {"sync/seconds": seconds, "sync/megabytes": megabytes}
+        if self.check:
+            start = time.perf_counter()
+            self.verify(state)
+            metrics["contract/seconds"] = time.perf_counter() - start
         if self.previous and current:
             metrics.update(code_changes(self.previous, current))
         self.previous = current
         return metrics
+
+    def verify(self, state: dict) -> None:
+        """Raise ContractBroken unless every engine replica holds exactly `state`."""
+        expected = state_digests(state)
+        replicas = self.engine.weight_digests()
+        for index, held in enumerate(replicas):
+            wrong = digest_mismatches(expected, held)
+            if wrong:
+                where = f"rollout worker {index}" if len(replicas) > 1 else "the engine"
+                raise ContractBroken(
+                    f"after the weight sync {where} holds other weights than the learner pushed "
+                    f"for {len(wrong)} tensor(s): {', '.join(wrong[:6])}"
+                    f"{' ...' if len(wrong) > 6 else ''}. It would sample from a policy the "
+                    "learner is not training (a dropped or stale layer, or an engine that "
+                    "changes what it is given); the run stopped before it did")
+
+    def contract_table(self, quant: QuantSection) -> list[LayerRow]:
+        """The layer table of the quantization contract: the learner's layers next to the
+        engine's (qarl.quant.contract.layer_table), for the recipe's [quant]."""
+        return layer_table(self.learner, self.engine.qweights(), quant.scheme, quant.align,
+                           quant.include, quant.exclude, quant.contract_exempt)
 
 
 def code_changes(old: dict[str, QWeight], new: dict[str, QWeight]) -> dict[str, float]:

@@ -23,6 +23,8 @@ from qarl.config import RunConfig, load_config, to_toml
 from qarl.native.memory import tune_allocator
 from qarl.train import checkpoint
 from qarl.train.evaluate import evaluate
+from qarl.quant.contract import ContractBroken
+from qarl.train.contract import OverBudget
 from qarl.train.guards import (
     BadStepGuard, NonFiniteWeights, RunStopped, TrainingAborted, is_out_of_memory,
     out_of_memory_message,
@@ -30,6 +32,7 @@ from qarl.train.guards import (
 from qarl.parallel.ranks import LearnerRankDied
 from qarl.train.follow import learner_on_ranks
 from qarl.train.metrics import MetricsLogger
+from qarl.train.monitors import Monitors
 from qarl.train.phases import (
     Experience, PhaseTimer, compute_advantages, reward_metrics, reward_responses,
     sample_metrics, train_examples,
@@ -63,6 +66,8 @@ def rl_step(policy: Policy, data: Data, config: RunConfig, step: int) -> dict[st
         old = policy.audit.old_logp(policy.learner, batch, sampling, seed, step)
     exp = Experience(batch, sampling, old.logp, advantages, rows, old.routing,
                      old.replayed_rows, old.replayed_logp)
+    samples = sample_metrics(data.task, exp, completions)
+    budget = policy.contract.check_step(samples, step)  # OverBudget: stop before the update
     check_stop()
     with timer("update"):
         update = policy.learner.update(exp, config.algo, config.train, step)
@@ -71,8 +76,7 @@ def rl_step(policy: Policy, data: Data, config: RunConfig, step: int) -> dict[st
     generated = int(batch.response_mask.sum())
     return {
         **reward_metrics(scored), **group_metrics, **old.metrics, **update, **sync,
-        **sample_metrics(data.task, exp, completions),
-        **timer.metrics(),
+        **samples, **budget, **timer.metrics(),
         "response/length_mean": generated / batch.num_sequences,
         "speed/tokens_per_s": generated / max(1e-9, timer.seconds["generate"]),
     }
@@ -99,6 +103,7 @@ def train(recipe: str | Path | Mapping | RunConfig | None = None,
         finally:
             loop.log.close()
         summary = finish_run(folder.path, config.log, before, after)
+        summary["early_stop"] = loop.early_stop or None
         (folder.path / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
 
@@ -118,7 +123,9 @@ class Loop:
     def __init__(self, config: RunConfig, run_dir: Path, policy: Policy, data: Data):
         self.config, self.run_dir, self.policy, self.data = config, run_dir, policy, data
         self.guard = BadStepGuard(config.train.max_bad_steps)
+        self.monitors = Monitors(config.monitor)
         self.done, self.saved = 0, None  # steps finished; the newest checkpoint, if any
+        self.early_stop = ""  # the monitor alert that ended the run early, if one did
 
     def start(self, point: ResumePoint) -> None:
         """Restore the checkpoint (weights, optimizer, RNG, metrics so far) or start at step 0.
@@ -140,10 +147,17 @@ class Loop:
             self.done, self.saved = state["step"], resume_from
             self.guard.in_a_row = state["bad_steps"]
             self.policy.audit.full_replay = state.get("full_replay", False)
-        self.policy.sync.push()  # the engine decodes with the learner's current codes
+            self.monitors = Monitors(self.config.monitor, state.get("monitor"))
+        try:  # the contract's layers first (a push to a layer of another format would fail
+            # less clearly), then the engine decodes with the learner's current codes
+            contract = self.policy.contract.start(self.policy.sync, self.run_dir)
+            self.policy.sync.push()
+        except ContractBroken as err:
+            raise TrainingAborted(f"before step {self.done + 1}: {err}") from err
         log = self.config.log
         self.log = MetricsLogger(self.run_dir, self.config.train.steps, progress=log.progress,
                                  tensorboard=log.tensorboard, jsonl=log.jsonl, start_step=self.done)
+        self.log.write(contract)
         if resume_from is not None:
             self.log.write(f"resumed from {resume_from} at step {self.done}")
         requested = self.config.train.compute_dtype
@@ -162,14 +176,26 @@ class Loop:
                 self.evaluate()
             for step in range(self.done, steps):
                 metrics = rl_step(self.policy, self.data, config, step)
+                metrics.update(self.monitors.update(metrics))
                 if metrics.get("audit/failed"):
                     self.log.write(self.policy.audit.alert)
+                if metrics.get("contract/over_budget"):
+                    self.log.write(self.policy.contract.alert)
+                if self.monitors.alert:
+                    self.log.write(self.monitors.alert)
                 self.log.log(step + 1, metrics)
                 self.done, self.rng = step + 1, checkpoint.capture_rng()
                 self.guard.update(self.done, metrics, self.saved)
                 every = config.train.checkpoint_every
                 if (every and self.done % every == 0) or self.done == steps:
                     self.save()
+                if self.monitors.alert and config.monitor.early_stop:
+                    self.early_stop = self.monitors.alert
+                    if self.saved != checkpoint.step_folder(self.run_dir, self.done):
+                        self.save()
+                    self.log.write(f"monitor.early_stop: the run ends at step {self.done} of "
+                                   f"{steps}; its checkpoint is saved")
+                    break
                 if self.eval_due():
                     self.evaluate()
                 check_stop()
@@ -178,7 +204,7 @@ class Loop:
             if self.saved != checkpoint.step_folder(self.run_dir, self.done):
                 self.save()
             raise RunStopped(stop.signum, self.saved, self.run_dir) from None
-        except (LearnerRankDied, NonFiniteWeights) as err:
+        except (LearnerRankDied, NonFiniteWeights, ContractBroken, OverBudget) as err:
             raise TrainingAborted(
                 f"step {self.done + 1}: {err}. The last checkpoint is intact ("
                 f"{self.saved or 'none yet'}): continue with qarl train --resume {self.run_dir}"
@@ -201,7 +227,7 @@ class Loop:
     def save(self) -> None:
         train, learner = self.config.train, self.policy.learner
         state = {"time": time.time(), "bad_steps": self.guard.in_a_row,
-                 "full_replay": self.policy.audit.full_replay}
+                 "full_replay": self.policy.audit.full_replay, "monitor": self.monitors.state()}
         with learner.whole_optimizer_state():
             self.saved = checkpoint.save(self.run_dir, self.done, learner.model,
                                          learner.optimizers, state, self.rng,

@@ -19,7 +19,8 @@ def report(tmp_path_factory):
     assert main(["compare", "tbpo_quick", "--arms", ARMS, "--train.steps=3", "--jobs", "2",
                  f"--run.output_dir={out}"]) == 0
     folder = out / "tbpo_quick"
-    return json.loads((folder / "compare.json").read_text()), (folder / "report.md").read_text()
+    table = json.loads((folder / "compare.json").read_text())
+    return {**table, "folder": folder}, (folder / "report.md").read_text()
 
 
 def test_every_arm_of_the_recipe_is_valid():
@@ -45,3 +46,14 @@ def test_tbpo_acts_where_it_can(report):
         assert arms[arm]["figures"]["clip_frac"]["mean"] > 0.0, arm
         assert arms[arm]["figures"]["truncated"]["mean"] is not None
     assert "## Clips and trust band" in text and "band drops" in text
+
+
+def test_the_shipped_budgets_flag_no_step(report, tmp_path_factory):
+    """Every step of every arm (fake int4 mismatch > 0, kernel = 0) is within the mismatch
+    budget shipped for its (scheme, align, engine): contract/over_budget = 0."""
+    table, _ = report
+    for arm in ARMS.split(","):
+        rows = [json.loads(line) for line in (table["folder"] / arm / "seed0" / "metrics.jsonl")
+                .read_text().splitlines()]
+        flags = [r["contract/over_budget"] for r in rows if r.get("kind") == "train"]
+        assert flags == [0.0, 0.0, 0.0], arm

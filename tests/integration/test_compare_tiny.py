@@ -37,6 +37,8 @@ def test_runs_are_train_runs_and_report_is_their_metrics(compared):
         assert (run / "summary.json").exists() and (folder / arm / "seed0.log").exists()
         rows = read_metrics(run / "metrics.jsonl")
         assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2]
+        # the shipped mismatch budgets never flag a shipped recipe's step
+        assert [r["contract/over_budget"] for r in rows if r["kind"] == "train"] == [0.0, 0.0]
         runs[arm] = {0: rows}
     report = json.loads((folder / "compare.json").read_text())
     expected = summarize(runs, "fp", "naive")

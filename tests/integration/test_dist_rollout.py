@@ -109,3 +109,45 @@ def test_rollout_workers_without_room_fail_instead_of_waiting(ray_session):
 
 def _never_built(index: int):
     raise AssertionError("an actor without room was built")
+
+
+def _stale_after_first_push(config, worker: int):
+    """build_engine, but worker 1 installs only the first push it gets: a worker left with
+    stale codes (a dropped refit)."""
+    engine = build_engine(config, worker)
+    if worker == 1:
+        install, pushes = engine.load_weights, []
+
+        def first_only(state):
+            if not pushes:
+                install(state)
+            pushes.append(1)
+
+        engine.load_weights = first_only
+    return engine
+
+
+def test_a_rollout_worker_with_stale_codes_breaks_the_contract(ray_session, tmp_path):
+    """Each actor computes its own digests after a push; when worker 1 skipped the push
+    after an update, WeightSync names worker 1 and the layers whose codes changed, while the
+    first push (both workers current) passes."""
+    from qarl.quant.contract import ContractBroken
+    from qarl.train.sync import WeightSync
+
+    config = _config(tmp_path, 2)
+    with open_run(_config(tmp_path, 1), learner=copy.deepcopy(warm_start(config))) as (
+            _, policy, _):
+        learner = policy.learner.model
+    engines = RayEngines(partial(_stale_after_first_push, config), 2)
+    try:
+        sync = WeightSync(learner, engines)
+        assert sync.push()["contract/seconds"] > 0
+        layer = "model.layers.0.mlp.up_proj"
+        with torch.no_grad():
+            weight = learner.get_submodule(layer).weight
+            weight.add_(0.05 * torch.randn_like(weight))
+        with pytest.raises(ContractBroken, match=rf"rollout worker 1 .*{layer} "
+                                                 r"\(codes, scales\)"):
+            sync.push()
+    finally:
+        engines.close()

@@ -1,0 +1,85 @@
+"""Measure the mismatch budgets (qarl/quant/budgets.py) and write qarl/quant/budgets.json.
+
+For each model and each scheme the engine serves, `qarl parity`'s decode-replay rows under
+`fake` and `naive` alignment give the mean per-token |old_logp - rollout_logp| of a fresh
+learner against the engine's samples (16 held-out prompts, up to --max-new-tokens tokens at
+temperature 1). The budget of a (scheme, align) is --factor x the largest value over the
+models. `kernel` alignment and the identity scheme are exact on qarl's own engine: their
+budget is 0 by construction and not measured here. Prints the table as JSON; --write writes
+it (with the machine it was measured on) to qarl/quant/budgets.json.
+
+    .venv/bin/python benchmarks/mismatch_budgets.py --write          # tiny + SmolLM2, ~3 min
+    .venv/bin/python benchmarks/mismatch_budgets.py --from-json tiny=t.json,smollm2-135m=s.json
+
+`--from-json` takes `qarl parity --json` outputs instead of measuring (model=file, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from qarl.native import machine
+from qarl.quant.budgets import BUDGETS_FILE
+
+
+def measure(model: str, engine: str, max_new_tokens: int) -> list[dict]:
+    from qarl.cli.parity_matrix import arm_row, run_arms
+    from qarl.rollout import ENGINES
+
+    schemes = [s for s in ENGINES[engine].schemes() if s != "none"]
+    aligns = [a for a in ("fake", "naive") if a in ENGINES[engine].aligns]
+    return [arm_row(arm) for arm in run_arms(model, schemes, aligns, 16, max_new_tokens,
+                                             include_full_sequence=False, engine=engine)]
+
+
+def budgets(rows_by_model: dict[str, list[dict]], factor: float) -> dict:
+    """{scheme: {align: {"budget", "measured": {model: value}}}} from parity rows."""
+    out: dict[str, dict] = {}
+    for model, rows in rows_by_model.items():
+        for row in rows:
+            exact = row["align"] == "kernel" or row["scheme"] == "none"
+            if row["path"] != "decode-replay" or exact:
+                continue
+            entry = out.setdefault(row["scheme"], {}).setdefault(row["align"], {"measured": {}})
+            entry["measured"][model] = round(row["mean_abs_dlogp"], 6)
+    for per_align in out.values():
+        for entry in per_align.values():
+            entry["budget"] = float(f"{factor * max(entry['measured'].values()):.4g}")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="tiny,smollm2-135m")
+    parser.add_argument("--engine", default="local")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--factor", type=float, default=3.0)
+    parser.add_argument("--from-json", default=None, help="model=parity.json,... instead of "
+                        "measuring")
+    parser.add_argument("--write", action="store_true", help=f"write {BUDGETS_FILE.name}")
+    args = parser.parse_args()
+    if args.from_json:
+        pairs = [p.split("=", 1) for p in args.from_json.split(",")]
+        rows = {model: json.loads(Path(path).read_text()) for model, path in pairs}
+    else:
+        rows = {m: measure(m, args.engine, args.max_new_tokens) for m in args.models.split(",")}
+    table = {
+        "metric": "mismatch/abs_diff_mean",
+        "factor": args.factor,
+        "measured_with": f"benchmarks/mismatch_budgets.py --models {','.join(rows)} --engine "
+                         f"{args.engine} --max-new-tokens {args.max_new_tokens}",
+        "machine": machine(),
+        "engines": {args.engine: budgets(rows, args.factor)},
+    }
+    if args.write:
+        if BUDGETS_FILE.exists():  # keep the other engines' budgets
+            old = json.loads(BUDGETS_FILE.read_text())
+            table["engines"] = {**old.get("engines", {}), **table["engines"]}
+        BUDGETS_FILE.write_text(json.dumps(table, indent=1) + "\n")
+    print(json.dumps(table, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -5,10 +5,13 @@ For each model and each scheme the engine serves, `qarl parity`'s decode-replay 
 learner against the engine's samples (16 held-out prompts, up to --max-new-tokens tokens at
 temperature 1). The budget of a (scheme, align) is --factor x the largest value over the
 models. `kernel` alignment and the identity scheme are exact on qarl's own engine: their
-budget is 0 by construction and not measured here. Prints the table as JSON; --write writes
+budget is 0 by construction and not measured here. Budgets are per engine as `qarl parity`
+labels it: "local", or vLLM with its dtype ("vllm float32"); `--engine vllm` runs in the
+vLLM environment (`make test-vllm` creates it) and adds its budgets to the file. Prints the table as JSON; --write writes
 it (with the machine it was measured on) to qarl/quant/budgets.json.
 
-    .venv/bin/python benchmarks/mismatch_budgets.py --write          # tiny + SmolLM2, ~3 min
+    .venv/bin/python benchmarks/mismatch_budgets.py --write          # tiny + SmolLM2, ~5 min
+    .venv-vllm/bin/python benchmarks/mismatch_budgets.py --engine vllm --write
     .venv/bin/python benchmarks/mismatch_budgets.py --from-json tiny=t.json,smollm2-135m=s.json
 
 `--from-json` takes `qarl parity --json` outputs instead of measuring (model=file, ...).
@@ -35,17 +38,19 @@ def measure(model: str, engine: str, max_new_tokens: int) -> list[dict]:
 
 
 def budgets(rows_by_model: dict[str, list[dict]], factor: float) -> dict:
-    """{scheme: {align: {"budget", "measured": {model: value}}}} from parity rows."""
+    """{engine label: {scheme: {align: {"budget", "measured": {model: value}}}}} from parity
+    rows (the label names vLLM's dtype: "vllm float32")."""
     out: dict[str, dict] = {}
     for model, rows in rows_by_model.items():
         for row in rows:
             exact = row["align"] == "kernel" or row["scheme"] == "none"
             if row["path"] != "decode-replay" or exact:
                 continue
-            entry = out.setdefault(row["scheme"], {}).setdefault(row["align"], {"measured": {}})
+            per_scheme = out.setdefault(row["engine"], {}).setdefault(row["scheme"], {})
+            entry = per_scheme.setdefault(row["align"], {"measured": {}})
             entry["measured"][model] = round(row["mean_abs_dlogp"], 6)
-    for per_align in out.values():
-        for entry in per_align.values():
+    for per_scheme in out.values():
+        for entry in (e for per_align in per_scheme.values() for e in per_align.values()):
             entry["budget"] = float(f"{factor * max(entry['measured'].values()):.4g}")
     return out
 
@@ -65,13 +70,13 @@ def main() -> None:
         rows = {model: json.loads(Path(path).read_text()) for model, path in pairs}
     else:
         rows = {m: measure(m, args.engine, args.max_new_tokens) for m in args.models.split(",")}
+    command = (f"benchmarks/mismatch_budgets.py --models {','.join(rows)} --engine "
+               f"{args.engine} --max-new-tokens {args.max_new_tokens}")
     table = {
         "metric": "mismatch/abs_diff_mean",
         "factor": args.factor,
-        "measured_with": f"benchmarks/mismatch_budgets.py --models {','.join(rows)} --engine "
-                         f"{args.engine} --max-new-tokens {args.max_new_tokens}",
-        "machine": machine(),
-        "engines": {args.engine: budgets(rows, args.factor)},
+        "engines": {label: {"measured_with": command, "machine": machine(), "budgets": entry}
+                    for label, entry in budgets(rows, args.factor).items()},
     }
     if args.write:
         if BUDGETS_FILE.exists():  # keep the other engines' budgets

@@ -10,8 +10,10 @@
   model, and the budget `factor` x the largest measured value (the headroom covers other
   prompts, longer responses and the weights moving in training: the shipped recipes' steps
   stay below it, docs/training.md "The quantization contract").
-- Anything else (vLLM, whose budgets are not measured in this file; a CUDA learner; an
-  experimental scheme): no budget, and the run's log says so.
+  Engines are keyed as `qarl parity` labels them (`EngineKind.label`): "local", or vLLM with
+  the dtype it computes in ("vllm float32"), since vLLM's bf16 path has a mismatch of its own.
+- Anything else (a vLLM dtype not measured, a CUDA learner, a scheme registered later): no
+  budget, and the run's log says so.
 """
 
 from __future__ import annotations
@@ -51,12 +53,13 @@ def _table() -> dict:
 
 
 def mismatch_budget(scheme: str, align: str, engine: str, exact: bool) -> Budget | None:
-    """The budget of a run (module docstring); `exact`: its replay is exact by construction."""
+    """The budget of a run (module docstring); `engine`: the engine's label ("local",
+    "vllm float32"); `exact`: its replay is exact by construction."""
     name = f"{scheme} {align} ({engine} engine)"
     if exact:
         return Budget(name, MAX_KEY, 0.0, "exact by construction")
     table = _table()
-    entry = table["engines"].get(engine, {}).get(scheme, {}).get(align)
+    entry = table["engines"].get(engine, {}).get("budgets", {}).get(scheme, {}).get(align)
     if entry is None:
         return None
     return Budget(name, MEAN_KEY, entry["budget"],

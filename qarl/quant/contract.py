@@ -13,8 +13,8 @@ the engine holds what the learner pushed.
   (a QWeight: codes, scales, zeros, global scale, layout; a tensor: its bytes); engines compute
   the same of what they hold (`engine_digests`, behind `Engine.weight_digests`), and
   `digest_mismatches` names every layer whose parts differ: a dropped, stale or altered layer
-  after a sync. CRC-32 reads ~6 GB/s on one core (zlib), so SmolLM2-135M's 215 MB a side costs
-  ~35 ms; an accidental collision has probability 2^-32 per part.
+  after a sync. Each storage is hashed once (a tied lm_head is the embedding), on torch's
+  threads (zlib releases the GIL); an accidental collision has probability 2^-32 per part.
 The matching rules are `quant.include`'s (qarl.quant.apply: a glob with `*?[`, else a
 substring).
 """
@@ -22,6 +22,7 @@ substring).
 from __future__ import annotations
 
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
@@ -133,23 +134,45 @@ def tensor_crc(t: Tensor) -> int:
     return zlib.crc32(t.contiguous().view(torch.uint8).numpy())
 
 
-def qweight_digest(qw: QWeight) -> tuple[int, ...]:
-    """One CRC per part (QWEIGHT_PARTS; 0 for an absent part)."""
-    parts = [tensor_crc(v) if v is not None else 0
-             for v in (qw.codes, qw.scales, qw.zeros, qw.global_scale)]
-    layout = f"{qw.scheme}|{qw.shape}|{qw.group_size}|{qw.symmetric}".encode()
-    return (*parts, zlib.crc32(layout))
+def _crcs(tensors: list[Tensor | None]) -> list[int]:
+    """tensor_crc of each (0 for None), each storage view once (a tied lm_head is the
+    embedding), on torch's thread count: zlib releases the GIL while it hashes."""
+    keys = [None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+            for t in tensors]
+    unique = {k: t for k, t in zip(keys, tensors) if k is not None}
+    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        crcs = dict(zip(unique, pool.map(tensor_crc, unique.values())))
+    return [0 if k is None else crcs[k] for k in keys]
 
 
-def digest(value: Tensor | QWeight) -> tuple[int, ...]:
-    return qweight_digest(value) if isinstance(value, QWeight) else (tensor_crc(value),)
+def _parts(value: Tensor | QWeight) -> list[Tensor | None]:
+    if isinstance(value, QWeight):
+        return [value.codes, value.scales, value.zeros, value.global_scale]
+    return [value]
+
+
+def _digests(entries: dict[str, Tensor | QWeight]) -> dict[str, tuple[int, ...]]:
+    """{key: one CRC per part (QWEIGHT_PARTS for a QWeight, its layout's last; one for a
+    tensor)}, every tensor hashed in one pass."""
+    parts = {k: _parts(v) for k, v in entries.items()}
+    flat = _crcs([t for p in parts.values() for t in p])
+    out, i = {}, 0
+    for key, value in entries.items():
+        n = len(parts[key])
+        crcs = tuple(flat[i:i + n])
+        i += n
+        if isinstance(value, QWeight):
+            layout = f"{value.scheme}|{value.shape}|{value.group_size}|{value.symmetric}"
+            crcs = (*crcs, zlib.crc32(layout.encode()))
+        out[key] = crcs
+    return out
 
 
 def state_digests(state: Mapping[str, Tensor | QWeight]) -> dict[str, tuple[int, ...]]:
     """What the engine must hold after installing `state` (an `export_state`), per name; a
     QWeight is keyed `<name>:codes`, as `engine_digests` keys what a layer decodes with."""
-    return {(k + CODES_SUFFIX if isinstance(v, QWeight) else k): digest(v)
-            for k, v in state.items()}
+    return _digests({(k + CODES_SUFFIX if isinstance(v, QWeight) else k): v
+                     for k, v in state.items()})
 
 
 def engine_digests(model: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -158,16 +181,16 @@ def engine_digests(model: nn.Module) -> dict[str, tuple[int, ...]]:
     one), and each QuantLinear's codes and scales, the ones it decodes with, as
     `<layer>.weight:codes`."""
     layers = quant_layers(model)
-    out = {}
+    held: dict[str, Tensor | QWeight] = {}
     for key, value in model.state_dict(keep_vars=True).items():
         owner, _, leaf = key.rpartition(".")
         if owner in layers and leaf == "weight":
             layer = layers[owner]
-            out[key + CODES_SUFFIX] = qweight_digest(layer.qweight())
+            held[key + CODES_SUFFIX] = layer.qweight()
             if layer.released:
                 continue
-        out[key] = digest(value)
-    return out
+        held[key] = value
+    return _digests(held)
 
 
 def digest_mismatches(expected: Mapping[str, tuple[int, ...]],

@@ -31,13 +31,15 @@ class OverBudget(RuntimeError):
 
 
 class RunContract:
-    def __init__(self, config: RunConfig, exact: bool):
+    def __init__(self, config: RunConfig, exact: bool, engine: str = "local"):
+        """`exact`: the replay is exact by construction; `engine`: the built engine's label
+        (`EngineKind.label`, e.g. "vllm float32")."""
         quant = config.quant
         self.quant, self.stop = quant, quant.over_budget == "stop"
         on_cpu = config.train.device == "cpu"
         # budgets are CPU measurements (qarl/quant/budgets.py): none for another device
         self.budget: Budget | None = (
-            mismatch_budget(quant.scheme, quant.align, config.rollout.engine, exact)
+            mismatch_budget(quant.scheme, quant.align, engine, exact)
             if on_cpu else None)
         self.alert = ""  # the last over-budget sentence
 

@@ -208,6 +208,15 @@ def build_engine(config: RunConfig, worker: int = 0, run_dir: Path | None = None
                        load_tokenizer(config.model.name), folder)
 
 
+def engine_label(config: RunConfig, engine: Engine) -> str:
+    """The engine as `qarl parity` and the mismatch budgets name it ("local", "vllm float32");
+    Ray actors of an engine kind share their kind's label (actor 0's dtype)."""
+    kind = ENGINES[config.rollout.engine]
+    if config.dist.rollout_workers > 1:
+        return kind.name if kind.name == "local" else f"{kind.name} {config.rollout.vllm_dtype}"
+    return kind.label(engine)
+
+
 def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | None = None,
                  run_dir: Path | None = None) -> Policy:
     """The policy pair; `learner`, when given, replaces loading `model.name` (warm start).
@@ -242,7 +251,8 @@ def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | No
     audit = ReplayAudit(exact, config.train.audit_fraction, config.train.audit_full_every)
     return Policy(AlignedLearner(learner, optimizers, replayer, config.quant.routing_replay),
                   engine, WeightSync(learner, engine, config.quant.sync_check),
-                  quantized=not identity, audit=audit, contract=RunContract(config, exact))
+                  quantized=not identity, audit=audit,
+                  contract=RunContract(config, exact, engine_label(config, engine)))
 
 
 def report_dataset(task: Task, run_dir: Path) -> None:

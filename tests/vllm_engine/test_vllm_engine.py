@@ -299,3 +299,28 @@ def test_float32_refused_where_int8_needs_16bit(tokenizer, tmp_path):
     with pytest.raises(ValueError, match="AMX kernel.*'auto' or 'bfloat16'"):
         VLLMEngine.from_tokenizer(model, tokenizer, tmp_path, max_context=512, dtype="float32")
     assert not any(tmp_path.iterdir())  # refused before the policy folder is written
+
+
+def test_weight_digests_follow_each_push(int8):
+    """The vLLM engine's digests (of the copy whose tensors every push hands to vLLM) equal the
+    pushed state's after each push, and name exactly the layers a push changed against the
+    previous state; the contract's layer table of the fake learner and this engine is clean."""
+    from qarl.quant.contract import (
+        check_table, digest_mismatches, layer_table, state_digests,
+    )
+
+    served, _, fake = int8
+    original, changed = export_state(fake.model), _changed_state(fake.model)
+    check_table(layer_table(fake.model, served.qweights(), "w8a8-int8", "fake"))
+    [held] = served.weight_digests()
+    assert digest_mismatches(state_digests(original), held) == []
+    served.load_weights(changed)
+    try:
+        [held] = served.weight_digests()
+        assert digest_mismatches(state_digests(changed), held) == []
+        stale = digest_mismatches(state_digests(original), held)
+        assert {s.split(" ")[0] for s in stale} == (
+            {n.removesuffix(".weight") for n in original if "down_proj.weight" in n}
+            | {"model.embed_tokens.weight", "lm_head.weight"})
+    finally:
+        served.load_weights(original)

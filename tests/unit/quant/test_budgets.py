@@ -22,7 +22,7 @@ def test_measured_budgets_cover_every_scheme_and_approximate_alignment():
     """budgets.json has, for the local engine, every scheme but the identity under `fake` and
     `naive`: factor x the largest value measured, each value from qarl parity on both models."""
     table = json.loads(BUDGETS_FILE.read_text())
-    local = table["engines"]["local"]
+    local = table["engines"]["local"]["budgets"]
     assert sorted(local) == sorted(s for s in SCHEMES if s != "none")
     for scheme, per_align in local.items():
         assert sorted(per_align) == ["fake", "naive"]

@@ -81,6 +81,11 @@ class TrainSection(BaseModel):
         "'cuda:N'; refused at load where this machine has no such device. Checkpoints are "
         "written and read through the CPU, so a run resumes on another device. The CUDA path "
         "is checked by benchmarks/gpu_check.sh (docs/training.md, 'Devices').")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute each decoder layer's activations in the backward pass "
+        "instead of keeping them (the gradient pass's own precision and GEMM library): less "
+        "activation memory for one more forward of the layers per micro-batch. The update "
+        "is the same. Measured effect on the default run: docs/training.md, 'Memory'.")
     grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clip; 0 = off.")
     checkpoint_every: int = Field(
         0, ge=0, description="Save a checkpoint every this many steps; 0 = only at the end."

@@ -12,11 +12,15 @@ quantization package swaps them; this module knows nothing about quantization or
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from functools import partial
+from typing import ContextManager
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from qarl.model.cache import KVCache
 from qarl.model.config import ModelConfig
@@ -161,6 +165,34 @@ def decoder_forward(
     return norm(x)
 
 
+@contextmanager
+def checkpointed_layers(model: nn.Module, context: Callable[[], ContextManager] | None
+                        ) -> Iterator[None]:
+    """Gradient checkpointing of `model`'s decoder layers while inside (`context` None: off):
+    a forward with gradients keeps only each layer's input and recomputes the layer in
+    backward, inside `context()` (and the forward's routing scope), so the recompute runs the
+    same computation as the forward. Activation memory of a forward: one layer's instead of
+    every layer's; cost: one more forward of the layers in backward."""
+    before = model.recompute_context
+    model.recompute_context = context
+    try:
+        yield
+    finally:
+        model.recompute_context = before
+
+
+@contextmanager
+def _recompute_context(context: Callable[[], ContextManager],
+                       routing: Routing | None) -> Iterator[None]:
+    with routing_scope(routing), context():
+        yield
+
+
+def _recomputed(layer: nn.Module, context: Callable[[], ContextManager], *args):
+    return checkpoint(layer, *args, use_reentrant=False,
+                      context_fn=lambda: (nullcontext(), context()))
+
+
 class DecoderBody(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -182,6 +214,9 @@ class CausalLM(nn.Module):
         # A plain fp32 attribute, not a buffer: `.to(torch.bfloat16)` must not round the RoPE
         # frequencies (HF keeps them fp32 too); moved to the positions' device on use.
         self.inv_freq = rope_inverse_frequencies(config)  # [head_dim / 2] float32
+        # Gradient checkpointing (`checkpointed_layers`): None = off; else the context each
+        # decoder layer's recompute in backward runs in (the gradient pass's own).
+        self.recompute_context: Callable[[], ContextManager] | None = None
 
     def rope(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
         # positions: [B, T] int64 -> cos, sin: [B, 1, T, head_dim]
@@ -204,8 +239,12 @@ class CausalLM(nn.Module):
         if positions is None:
             positions = torch.arange(cache_start, cache_start + T, device=input_ids.device).expand(B, T)
         body = self.model
+        layers: Sequence[Callable] = body.layers
+        if self.recompute_context is not None and torch.is_grad_enabled():
+            context = partial(_recompute_context, self.recompute_context, routing)
+            layers = [partial(_recomputed, layer, context) for layer in body.layers]
         with routing_scope(routing):
-            return decoder_forward(body.embed_tokens, body.layers, body.norm, self.rope,
+            return decoder_forward(body.embed_tokens, layers, body.norm, self.rope,
                                    input_ids, positions, cache, cache_start, key_mask)
 
     def logits(self, input_ids: Tensor, **kwargs) -> Tensor:  # [B, T, vocab]

@@ -26,6 +26,7 @@ from qarl.errors import UserError
 from qarl.train import checkpoint
 
 RESUME_FREE = ("train.steps", "train.micro_batch_size", "train.device",
+               "train.gradient_checkpointing",
                "train.checkpoint_every", "train.keep_checkpoints", "train.max_bad_steps",
                "train.audit_fraction",
                "train.audit_full_every", "run.output_dir", "run.name", "run.resume", "log.",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -27,6 +28,7 @@ from torch import Tensor
 
 from qarl.algo import LOSSES, Correction, apply_corrections, global_counts, metrics_to_floats
 from qarl.config import AlgoSection, TrainSection
+from qarl.model.decoder import checkpointed_layers
 from qarl.train.guards import check_weights, settings_finite
 from qarl.train.logprobs import aligned_logprobs, response_logprobs
 from qarl.train.optim import learning_rate, set_learning_rate
@@ -136,29 +138,32 @@ def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
     parts = mini_batches(exp.batch.num_sequences, train.mini_batches)
     counts = {rows: step_counts(algo, exp, correction, params, rows) for rows in parts}
     module.train()
-    for epoch, rows in ((e, r) for e in range(algo.epochs) for r in parts):
-        # logp's value always comes from a decode-path replay of the WHOLE batch (the shape it
-        # was sampled with: a micro-batch replay is not exact, and on smollm2 W8A8 the
-        # activation quantizers amplify that to ~0.1 nats). At the first step the learner is
-        # still the policy that old_logp replayed; every later step replays once with the
-        # weights the steps before it left.
-        values = exp.old_logp if steps == 0 else exact(exp)
-        steps += 1
-        entropy_sum, entropy_count, finite = accumulate_gradients(
-            module, exp, values, algo, correction, {**params, **counts[rows]}, rows,
-            train.micro_batch_size, group, totals, routing_replay, compute)
-        finite = group.all_true(finite)
-        group.sum_gradients(module)
-        entropy_sum, entropy_count = group.sum_floats([entropy_sum, entropy_count])
-        if epoch == 0:
-            entropy_total += entropy_sum
-            entropy_tokens += entropy_count
-        grad_norm, outcome = optimizer_step(module, optimizers, train.grad_clip, finite, group)
-        grad_norms.append(grad_norm)
-        skipped += outcome == "zero"
-        if outcome == "nonfinite":
-            totals["guard/nonfinite"] = 1.0
-            break
+    recompute = partial(gradient_pass, compute, device) if train.gradient_checkpointing else None
+    with checkpointed_layers(module, recompute):
+        for epoch, rows in ((e, r) for e in range(algo.epochs) for r in parts):
+            # logp's value always comes from a decode-path replay of the WHOLE batch (the
+            # shape it was sampled with: a micro-batch replay is not exact, and on smollm2
+            # W8A8 the activation quantizers amplify that to ~0.1 nats). At the first step the
+            # learner is still the policy that old_logp replayed; every later step replays
+            # once with the weights the steps before it left.
+            values = exp.old_logp if steps == 0 else exact(exp)
+            steps += 1
+            entropy_sum, entropy_count, finite = accumulate_gradients(
+                module, exp, values, algo, correction, {**params, **counts[rows]}, rows,
+                train.micro_batch_size, group, totals, routing_replay, compute)
+            finite = group.all_true(finite)
+            group.sum_gradients(module)
+            entropy_sum, entropy_count = group.sum_floats([entropy_sum, entropy_count])
+            if epoch == 0:
+                entropy_total += entropy_sum
+                entropy_tokens += entropy_count
+            grad_norm, outcome = optimizer_step(module, optimizers, train.grad_clip, finite,
+                                                group)
+            grad_norms.append(grad_norm)
+            skipped += outcome == "zero"
+            if outcome == "nonfinite":
+                totals["guard/nonfinite"] = 1.0
+                break
     module.eval()
     totals["policy/entropy"] = entropy_total / max(1, entropy_tokens)
     totals["policy/optimizer_steps"] = float(steps - skipped - totals["guard/nonfinite"])

@@ -183,3 +183,22 @@ def test_avx2_kernels_keep_the_replay_exact(tmp_path, monkeypatch):
     assert metrics["mismatch/abs_diff_max"] == 0.0 and metrics.get("audit/failed", 0.0) == 0.0
     for name, layer in engine_layers.items():
         assert torch.equal(learner_codes[f"{name}.weight"].codes, layer.qweight().codes), name
+
+
+@pytest.mark.parametrize("align,compute", [("kernel", "float32"), ("naive", "float32"),
+                                           ("kernel", "bfloat16")])
+def test_gradient_checkpointing_takes_the_same_step(tmp_path, align, compute):
+    """train.gradient_checkpointing recomputes each layer in backward inside the gradient
+    pass's own context (its precision, its GEMM library), so the recomputed activations are
+    the forward's bits and the update is exactly the one without it: the same metrics, every
+    weight moved by the same amount (torch.equal)."""
+    extra = {"quant.align": align}
+    m_plain, moved_plain = _update_of_one_step(tmp_path / "plain" / align, compute, **extra)
+    m_ckpt, moved_ckpt = _update_of_one_step(tmp_path / "ckpt" / align, compute, **extra,
+                                             **{"train.gradient_checkpointing": True})
+    assert any(bool((v != 0).any()) for v in moved_plain.values())
+    for key in m_plain:
+        if not key.startswith(("time/", "speed/")) and not key.endswith("seconds"):
+            assert m_ckpt[key] == m_plain[key] or (m_plain[key] != m_plain[key]), key
+    for name, moved in moved_plain.items():
+        assert torch.equal(moved_ckpt[name], moved), name

@@ -75,7 +75,8 @@ from qarl.rollout.sampling import row_seed
 from qarl.rollout.vllm_support import FLOAT32_ON_AMX, KERNEL_AMX, int8_gemm_saturates, resolve_dtype
 from qarl.rollout.vllm_weights import (
     INT8_METHODS, default_dtype, install_checkpoint_tensors, int8_layers_needing_16bit,
-    int8_method, quiet_vllm_reload, served_model, take_layer, write_policy_folder,
+    int8_method, int8_readback, quiet_vllm_reload, served_model, take_layer,
+    write_policy_folder,
 )
 from qarl.types import FINISH_LENGTH, FINISH_STOP, RolloutBatch, SamplingParams
 
@@ -248,12 +249,19 @@ class VLLMEngine:
 
     def weight_digests(self) -> list[dict[str, tuple[int, ...]]]:
         """`Engine.weight_digests` of the qarl copy, whose checkpoint-format tensors every
-        push hands to vLLM (`load_weights`); vLLM's repacked kernel operands (oneDNN handles)
-        cannot be read back, so a fault inside vLLM's own repacking shows in the mismatch
-        budget, not here."""
-        from qarl.quant.contract import engine_digests
+        push hands to vLLM (`load_weights`), with vLLM's own int8 layers read back
+        (`int8_readback`: the codes and scales vLLM still keeps as parameters compared with
+        the copy's; a part that differs gets the digest -1, so the check names it). What
+        cannot be read back (codes inside oneDNN's handles, other formats' repacked
+        operands) shows in the mismatch budget instead."""
+        from qarl.quant.contract import CODES_SUFFIX, engine_digests
 
-        return [engine_digests(self.model)]
+        digests = engine_digests(self.model)
+        for layer, same in int8_readback(self.llm, self.model).items():
+            key = layer + ".weight" + CODES_SUFFIX
+            digests[key] = tuple(-1 if i < 2 and same[i] is False else d
+                                 for i, d in enumerate(digests[key]))
+        return [digests]
 
     def close(self) -> None:
         """vLLM runs in this process: it goes with the engine object."""

@@ -187,3 +187,29 @@ def int8_layer_errors(llm, qarl_model: CausalLM, prompts: list[list[int]]) -> di
         ref = (xq.double() @ wq.double().T) * xs.double() * ws.double()[None]
         errors[name] = float((y.double() - ref).norm() / ref.norm())
     return errors
+
+
+def int8_readback(llm, qarl_model: CausalLM) -> dict[str, tuple[bool | None, bool | None]]:
+    """Read vLLM's int8 layers back: per qarl layer behind each vLLM int8 layer, whether the
+    codes and the scales vLLM still holds as parameters equal the qarl copy's (q, k, v and
+    gate, up stacked as vLLM fuses them); None for a part vLLM no longer keeps readable.
+    vLLM 0.32's CPU int8 kernel keeps its fp32 per-channel scales (`weight_scale`) and hands
+    the codes to oneDNN, which holds them in its own layout (no `weight` left): there the
+    scales are checked and the codes are not. Layers with neither readable are left out."""
+    out = {}
+    for name, layer in served_model(llm).named_modules():
+        if not hasattr(layer, "scheme") or getattr(layer, "weight_scale", None) is None:
+            continue
+        weight, scale = getattr(layer, "weight", None), layer.weight_scale
+        codes, scales = fused_codes(qarl_model, name)
+        same_codes = (torch.equal(weight.t(), codes) if weight is not None
+                      and weight.dtype == torch.int8 and weight.t().shape == codes.shape
+                      else None)
+        same_scales = (torch.equal(scale.detach().reshape(-1).float(), scales.float())
+                       if scale.numel() == scales.numel() else None)
+        if same_codes is None and same_scales is None:
+            continue
+        parent, _, leaf = name.rpartition(".")
+        for part in FUSED.get(leaf, (leaf,)):
+            out[f"{parent}.{part}"] = (same_codes, same_scales)
+    return out

@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("vllm")
 
 from qarl.model import load_model, load_tokenizer  # noqa: E402
-from qarl.quant import QWeight, export_state, quantize_model  # noqa: E402
+from qarl.quant import QWeight, export_state, quant_layers, quantize_model  # noqa: E402
 from qarl.rollout import Engine, LocalEngine  # noqa: E402
 from qarl.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from qarl.rollout.vllm_support import (  # noqa: E402
@@ -324,3 +324,28 @@ def test_weight_digests_follow_each_push(int8):
             | {"model.embed_tokens.weight", "lm_head.weight"})
     finally:
         served.load_weights(original)
+
+
+def test_weight_digests_read_vllm_int8_layers_back(int8):
+    """The digests read back what vLLM's int8 layers still keep as parameters (vLLM 0.32 on
+    CPU: the per-channel scales; the codes live in oneDNN's handle): every readable part
+    equals the qarl copy's; one scale changed inside vLLM's down_proj of layer 0 (the copy
+    untouched) is named with its part; undone, the digests are clean again."""
+    from qarl.quant.contract import digest_mismatches, state_digests
+    from qarl.rollout.vllm_weights import int8_readback, served_model
+
+    served, _, fake = int8
+    readable = int8_readback(served.llm, served.model)
+    assert len(readable) == len(quant_layers(served.model))
+    assert all(False not in same and same[1] for same in readable.values())
+    layer = "model.layers.0.mlp.down_proj"
+    scale = served_model(served.llm).get_submodule(layer).weight_scale
+    expected = state_digests(export_state(fake.model))
+    with torch.no_grad():
+        scale[0] *= 2
+    try:
+        assert digest_mismatches(expected, served.weight_digests()[0]) == [f"{layer} (scales)"]
+    finally:
+        with torch.no_grad():
+            scale[0] /= 2
+    assert digest_mismatches(expected, served.weight_digests()[0]) == []

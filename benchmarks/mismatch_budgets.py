@@ -7,14 +7,20 @@ temperature 1). The budget of a (scheme, align) is --factor x the largest value 
 models. `kernel` alignment and the identity scheme are exact on qarl's own engine: their
 budget is 0 by construction and not measured here. Budgets are per engine as `qarl parity`
 labels it: "local", or vLLM with its dtype ("vllm float32"); `--engine vllm` runs in the
-vLLM environment (`make test-vllm` creates it) and adds its budgets to the file. Prints the table as JSON; --write writes
-it (with the machine it was measured on) to qarl/quant/budgets.json.
+vLLM environment (`make test-vllm` creates it) and adds its budgets to the file. Prints the
+table as JSON; --write writes it (with the machine it was measured on) to
+qarl/quant/budgets.json.
 
     .venv/bin/python benchmarks/mismatch_budgets.py --write          # tiny + SmolLM2, ~5 min
     .venv-vllm/bin/python benchmarks/mismatch_budgets.py --engine vllm --write
     .venv/bin/python benchmarks/mismatch_budgets.py --from-json tiny=t.json,smollm2-135m=s.json
 
 `--from-json` takes `qarl parity --json` outputs instead of measuring (model=file, ...).
+`--check RUN_DIR ...` measures nothing: for each run folder (or a folder of them, e.g. a
+`qarl compare` output) it prints the largest per-step mismatch next to the budget of the run's
+(scheme, align, engine), and exits 1 if a step is over it:
+
+    .venv/bin/python benchmarks/mismatch_budgets.py --check runs/tbpo
 """
 
 from __future__ import annotations
@@ -55,6 +61,36 @@ def budgets(rows_by_model: dict[str, list[dict]], factor: float) -> dict:
     return out
 
 
+def check(paths: list[str]) -> int:
+    """The largest mismatch of every run under `paths` against its budget (module docstring)."""
+    from qarl.config import load_config
+    from qarl.model import load_skeleton
+    from qarl.quant.budgets import mismatch_budget
+    from qarl.train.setup import replay_is_exact
+
+    checkpoint = ("step_", ".tmp_step_", "damaged_step_")  # a checkpoint's copy of the files
+    runs = sorted({p.parent for path in paths for p in Path(path).rglob("metrics.jsonl")
+                   if (p.parent / "config.toml").exists()
+                   and not p.parent.name.startswith(checkpoint)})
+    report, over = [], 0
+    for run in runs:
+        config = load_config(run / "config.toml")
+        quant = config.quant
+        exact = replay_is_exact(config, bool(load_skeleton(config.model.name).config.moe_layers))
+        budget = mismatch_budget(quant.scheme, quant.align, config.rollout.engine, exact)
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in rows if r.get("kind") == "train"]
+        entry = {"run": str(run), "scheme": quant.scheme, "align": quant.align, "steps": len(steps)}
+        if budget is not None and steps:
+            worst = max(r.get(budget.metric, 0.0) for r in steps)
+            flagged = sum(budget.exceeded(r) is not None for r in steps)
+            entry.update(metric=budget.metric, worst=worst, budget=budget.limit, over=flagged)
+            over += flagged
+        report.append(entry)
+    print(json.dumps(report, indent=1))
+    return int(over > 0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="tiny,smollm2-135m")
@@ -64,7 +100,11 @@ def main() -> None:
     parser.add_argument("--from-json", default=None, help="model=parity.json,... instead of "
                         "measuring")
     parser.add_argument("--write", action="store_true", help=f"write {BUDGETS_FILE.name}")
+    parser.add_argument("--check", nargs="+", default=None, metavar="RUN_DIR",
+                        help="check these runs' steps against their budgets instead")
     args = parser.parse_args()
+    if args.check:
+        raise SystemExit(check(args.check))
     if args.from_json:
         pairs = [p.split("=", 1) for p in args.from_json.split(",")]
         rows = {model: json.loads(Path(path).read_text()) for model, path in pairs}

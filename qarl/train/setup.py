@@ -208,6 +208,15 @@ def build_engine(config: RunConfig, worker: int = 0, run_dir: Path | None = None
                        load_tokenizer(config.model.name), folder)
 
 
+def replay_is_exact(config: RunConfig, moe: bool) -> bool:
+    """The learner's replay equals the sampler's logprobs by construction (same kernels, same
+    decode path): `kernel` alignment or full-precision rollouts, qarl's own engine, a dense
+    model (a MoE model's routing metrics need the learner's own experts on every row)."""
+    identity = SCHEMES[config.quant.scheme].is_identity
+    return ((config.quant.align == "kernel" or identity) and config.rollout.engine == "local"
+            and not moe)
+
+
 def engine_label(config: RunConfig, engine: Engine) -> str:
     """The engine as `qarl parity` and the mismatch budgets name it ("local", "vllm float32");
     Ray actors of an engine kind share their kind's label (actor 0's dtype)."""
@@ -245,9 +254,7 @@ def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | No
                                  tuple(train.betas))
     replayer = LocalEngine.from_tokenizer(learner, tokenizer, max_context=max_context)
     identity = SCHEMES[config.quant.scheme].is_identity
-    # the replay equals the sampler's logprobs by construction: same kernels, same decode path
-    exact = ((config.quant.align == "kernel" or identity) and config.rollout.engine == "local"
-             and not learner.config.moe_layers)
+    exact = replay_is_exact(config, bool(learner.config.moe_layers))
     audit = ReplayAudit(exact, config.train.audit_fraction, config.train.audit_full_every)
     return Policy(AlignedLearner(learner, optimizers, replayer, config.quant.routing_replay),
                   engine, WeightSync(learner, engine, config.quant.sync_check),

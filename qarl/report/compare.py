@@ -47,6 +47,8 @@ FIGURES: dict[str, tuple[str, str]] = {
     "lowprob_tokens": ("mean", "errors/lowprob_tokens"),
     "garbled": ("mean", "errors/garbled"),
     "entropy": ("mean", "policy/entropy"),
+    "over_budget": ("mean", "contract/over_budget"),  # fraction of steps over the budget
+    "monitor_alerts": ("mean", "monitor/alert"),  # fraction of steps a monitor alerted at
     **{f"time_{phase}": ("mean", f"time/{phase}") for phase in PHASES},
     "time_step": ("mean", "time/step"),  # derived per row by `with_step_time`
 }

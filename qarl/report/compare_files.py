@@ -81,7 +81,9 @@ TABLES = [
         ("seq ratio mean", "seq_ratio_mean", ".4g", ""),
         ("seq ratio min", "seq_ratio_min", ".4g", ""),
         ("seq ratio max", "seq_ratio_max", ".4g", ""),
-        ("entropy", "entropy", ".3g", "")]),
+        ("entropy", "entropy", ".3g", ""),
+        ("steps over the mismatch budget", "over_budget", ".3g", ""),
+        ("steps a monitor alerted at", "monitor_alerts", ".3g", "")]),
     ("Error-token rates (training rollouts)", [
         ("training reward", "reward", ".3f", ""),
         ("repeated n-grams", "rep_ngram", ".3g", ""),

@@ -9,7 +9,8 @@ VM: 10-25% between runs) moves every arm alike and the ratios are read in one wi
         --arm int4:quant.scheme=w4a16-int4
 
 An arm is NAME:KEY=VALUE,KEY=VALUE (overrides of the recipe, `--recipe`, default `default`).
-Step 1 of each arm is a warm-up (first packs, first pushes) and is left out of the means. The
+Step 1 of each arm is a warm-up (first packs, first pushes) and is left out of the means;
+`contract` is the per-sync digest check's share of `sync` (docs/training.md). The
 JSON names the machine (CPU, ISA levels, threads) and the int8 GEMM chosen here; `ratio` is
 each arm's mean step against the first arm's.
 """
@@ -63,6 +64,7 @@ def measure(recipe: str, arms: list[tuple[str, dict]], steps: int, tokens: int |
                 if step > 0:  # step 0 builds packs and caches
                     rows[name].append({"step": time.perf_counter() - began,
                                        **{p: metrics.get(f"time/{p}", 0.0) for p in PHASES},
+                                       "contract": metrics.get("contract/seconds", 0.0),
                                        "tokens": metrics["response/length_mean"]})
         kernel = SCHEMES["w8a8-int8"].kernel_path(
             runs[0][2].learner.model.model.embed_tokens.weight.device, None)

@@ -32,8 +32,10 @@ HERE = Path(__file__).resolve().parent
 STEPS = 4
 SMALL = {"train.steps": STEPS, "rollout.batch_size": 8, "train.micro_batch_size": 8,
          "eval.size": 8, "eval.full_precision": False, "log.plot": False,
-         "task.reward": "reliability_rewards:slow", "train.checkpoint_every": 0}
-TIMING = ("time/", "speed/", "sync/seconds")  # metrics that differ between identical runs
+         "task.reward": "reliability_rewards:slow", "train.checkpoint_every": 0,
+         "monitor.window": 1}  # monitors from step 2: a resume must keep their history
+# metrics that differ between identical runs
+TIMING = ("time/", "speed/", "sync/seconds", "contract/seconds")
 
 
 def _args(out: Path, **extra) -> list[str]:

@@ -63,8 +63,8 @@ class RunContract:
         problem = self.budget.exceeded(samples)
         if problem is not None:
             self.alert = f"step {step + 1}: {problem}"
-            if self.stop:
-                raise OverBudget(f"{self.alert}; quant.over_budget = 'stop' ended the run "
-                                 "before this step's update")
+            if self.stop:  # the trainer names the step
+                raise OverBudget(f"{problem}; quant.over_budget = 'stop' ended the run before "
+                                 "this step's update")
         return {"contract/over_budget": float(problem is not None),
                 "contract/budget": self.budget.limit}

@@ -21,10 +21,10 @@ from typing import Any, Mapping, Sequence
 
 from qarl.config import RunConfig, load_config, to_toml
 from qarl.native.memory import tune_allocator
-from qarl.train import checkpoint
-from qarl.train.evaluate import evaluate
 from qarl.quant.contract import ContractBroken
+from qarl.train import checkpoint
 from qarl.train.contract import OverBudget
+from qarl.train.evaluate import evaluate
 from qarl.train.guards import (
     BadStepGuard, NonFiniteWeights, RunStopped, TrainingAborted, is_out_of_memory,
     out_of_memory_message,

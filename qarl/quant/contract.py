@@ -22,8 +22,8 @@ substring).
 from __future__ import annotations
 
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
@@ -199,14 +199,15 @@ def digest_mismatches(expected: Mapping[str, tuple[int, ...]],
     out = []
     for key, want in expected.items():
         have = held.get(key)
-        name = key.removesuffix(CODES_SUFFIX).removesuffix(".weight") \
-            if key.endswith(CODES_SUFFIX) else key
+        if have == want:
+            continue
+        quantized = key.endswith(CODES_SUFFIX)
+        name = key.removesuffix(CODES_SUFFIX).removesuffix(".weight") if quantized else key
         if have is None:
-            out.append(f"{name} (missing)")
-        elif have != want:
-            if key.endswith(CODES_SUFFIX):
-                parts = [p for p, a, b in zip(QWEIGHT_PARTS, want, have) if a != b]
-                out.append(f"{name} ({', '.join(parts)})")
-            else:
-                out.append(f"{name} (values)")
+            what = "missing"
+        elif quantized:
+            what = ", ".join(p for p, a, b in zip(QWEIGHT_PARTS, want, have) if a != b)
+        else:
+            what = "values"
+        out.append(f"{name} ({what})")
     return out

@@ -257,10 +257,11 @@ class VLLMEngine:
         from qarl.quant.contract import CODES_SUFFIX, engine_digests
 
         digests = engine_digests(self.model)
-        for layer, same in int8_readback(self.llm, self.model).items():
+        for layer, (same_codes, same_scales) in int8_readback(self.llm, self.model).items():
             key = layer + ".weight" + CODES_SUFFIX
-            digests[key] = tuple(-1 if i < 2 and same[i] is False else d
-                                 for i, d in enumerate(digests[key]))
+            codes, scales, *rest = digests[key]  # QWEIGHT_PARTS order
+            digests[key] = (-1 if same_codes is False else codes,
+                            -1 if same_scales is False else scales, *rest)
         return [digests]
 
     def close(self) -> None:

@@ -1,6 +1,6 @@
 """The quantization contract of a run: checked at the start, after every sync, at every step.
 
-- At the start (`RunContract.start`, after the first weight push): the layer table of
+- At the start (`RunContract.start`, before the first weight push): the layer table of
   qarl/quant/contract.py, saved as `contract.json` in the run folder and summarized in the
   log; a layer quantized on one side only (not exempted by `quant.contract_exempt`) stops the
   run before step 1 (`ContractBroken`).

@@ -224,8 +224,14 @@ def find(run_dir: Path) -> tuple[Path | None, dict[Path, str]]:
     newest whole one, or None; {every other checkpoint folder that is not whole: why})."""
     run_dir = Path(run_dir)
     folders = sorted(run_dir.glob(f"{PREFIX}*")) if run_dir.is_dir() else []
-    damaged = {f: why for f in folders if (why := problem(f)) is not None}
-    whole = [f for f in folders if f not in damaged]
+    verdicts = {}
+    for folder in folders:
+        try:
+            verdicts[folder] = problem(folder)
+        except FileNotFoundError:  # pruned by a save in another process while being read:
+            continue  # gone, not damaged (`problem` itself reports files that are missing)
+    damaged = {f: why for f, why in verdicts.items() if why is not None}
+    whole = [f for f, why in verdicts.items() if why is None]
     pointer = run_dir / POINTER
     if pointer.is_file():
         named = run_dir / pointer.read_text(errors="replace").strip()

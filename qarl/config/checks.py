@@ -30,6 +30,7 @@ from qarl.algo import (
 from qarl.config.errors import Problem, short, suggest, unknown_key
 from qarl.config.compare_schema import flatten_overrides
 from qarl.config.dist_checks import dist_is_possible
+from qarl.config.lora_checks import lora_fits
 from qarl.config.train_checks import device_exists, masters_can_learn
 from qarl.config.resources import RESOURCE_CHECKS
 from qarl.model import SUPPORTED_ARCHITECTURES, ZOO
@@ -374,6 +375,7 @@ CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
     (("log",), tensorboard_available),
     (("dist", "rollout", "train"), dist_is_possible),
     (("model", "dist"), fsdp_is_dense),
+    (("lora", "rollout", "dist"), lora_fits),
     (("compare",), compare_arms_consistent),
 ]
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from qarl.config.errors import Problem
+from qarl.config.lora_checks import lora_resources
 from qarl.model import ZOO
 from qarl.model.check import model_problems
 from qarl.quant import SCHEMES, make_scheme, scheme_options
@@ -172,4 +173,5 @@ RESOURCE_CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
     (("quant",), scheme_options_valid),
     (("task", "eval"), task_loads),
     (("task",), reward_loads),
+    (("model", "lora"), lora_resources),
 ]

@@ -2,7 +2,7 @@
 
 The sections live by what they describe: `run_schema` (run, log), `policy_schema` (model,
 quant), `rollout_schema` (rollout, task, eval), `algo_schema` (algo), `train_schema` (train,
-sft), `monitor_schema` (monitor), `dist_schema` (dist), `compare_schema` (compare). Their
+sft), `lora_schema` (lora), `monitor_schema` (monitor), `dist_schema` (dist), `compare_schema` (compare). Their
 descriptions are the only documentation of the options: `python -m qarl.config --markdown`
 turns them into docs/config.md, and the CLI help points there. Checks that span fields or sections live in
 `checks.py`; the schema holds only types, defaults and ranges.
@@ -19,13 +19,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from qarl.config.algo_schema import AlgoSection, OverlongSection
 from qarl.config.compare_schema import CompareSection
 from qarl.config.dist_schema import DistSection
+from qarl.config.lora_schema import LoraSection
 from qarl.config.monitor_schema import MonitorSection
 from qarl.config.policy_schema import ModelSection, QuantSection
 from qarl.config.rollout_schema import EvalSection, RolloutSection, TaskSection
 from qarl.config.run_schema import LogSection, RunSection
 from qarl.config.train_schema import SftSection, TrainSection
 
-__all__ = ["AlgoSection", "CompareSection", "DistSection", "EvalSection", "LogSection",
+__all__ = ["AlgoSection", "CompareSection", "DistSection", "EvalSection", "LogSection", "LoraSection",
            "ModelSection", "MonitorSection", "OPTIONAL_SECTIONS", "OverlongSection", "QuantSection",
            "RolloutSection", "RunConfig", "RunSection", "SECTIONS", "SftSection", "TaskSection",
            "TrainSection"]
@@ -45,6 +46,7 @@ class RunConfig(BaseModel):
     train: TrainSection
     eval: EvalSection = Field(default_factory=EvalSection)
     sft: SftSection = Field(default_factory=SftSection)
+    lora: LoraSection = Field(default_factory=LoraSection)
     log: LogSection = Field(default_factory=LogSection)
     monitor: MonitorSection = Field(default_factory=MonitorSection)
     dist: DistSection = Field(default_factory=DistSection)

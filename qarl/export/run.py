@@ -9,10 +9,18 @@ read, nothing is unpickled.
 Formats:
 - `hf`: the full-precision master weights in the run's master dtype, as a Hugging Face folder
   (config.json, model.safetensors, tokenizer files, generation_config.json when the base model
-  has one) that `transformers.AutoModelForCausalLM.from_pretrained` loads.
+  has one) that `transformers.AutoModelForCausalLM.from_pretrained` loads. Of a LoRA run
+  (`[lora]` rank > 0, whose checkpoints hold the adapters only): the adapters merged into the
+  base's weights (W + (alpha / r) B A), or with `merge=False` the base alone.
 - `compressed-tensors`: the master weights quantized by qarl's own quantizer with the run's
   scheme, options and layer selection (the codes the engine computed from these weights),
-  written in compressed-tensors' layout with its `quantization_config`: what vLLM serves.
+  written in compressed-tensors' layout with its `quantization_config`: what vLLM serves. Of
+  a LoRA run: its frozen base, the codes the engine served the adapters on.
+- `peft`: a LoRA run's adapters as a PEFT folder (`qarl.export.peft`), which `peft` loads onto
+  the base exported as `hf` (merge=False) or `compressed-tensors`.
+
+A LoRA run's base is the recipe's model, or the warm-started one where the recipe has [sft]
+steps: the caller passes it (`base`; `qarl export` builds it with the run's warm start).
 """
 
 from __future__ import annotations
@@ -34,13 +42,15 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 from qarl.errors import UserError
 from qarl.export.compressed_tensors import WEIGHTS_FILE, ct_state, quantization_config
+from qarl.export.peft import write_peft
 from qarl.model import DTYPES, CausalLM, load_model, load_tokenizer, save_model
 from qarl.model.names import state_on_disk
 from qarl.model.zoo import resolve
 from qarl.quant import SCHEMES, QWeight, export_state, quantize_model
 from qarl.quant.apply import FUSED_GROUPS
+from qarl.quant.lora import attach_lora, load_adapters, remove_adapters
 
-FORMATS = ("hf", "compressed-tensors")
+FORMATS = ("hf", "compressed-tensors", "peft")
 CONFIG_FILE = "config.toml"  # the resolved config a checkpoint was trained with
 POINTER = "latest"  # a run folder's one-line file naming its newest complete checkpoint
 GENERATION_CONFIG = "generation_config.json"
@@ -57,6 +67,11 @@ class RunPolicy:
     options: dict = field(default_factory=dict)
     include: list[str] | None = None
     exclude: list[str] | None = None
+    lora: dict = field(default_factory=dict)  # the run's [lora] section ({} or rank 0: none)
+
+    @property
+    def lora_rank(self) -> int:
+        return int(self.lora.get("rank", 0))
 
 
 def find_checkpoint(src: str | Path) -> Path:
@@ -84,14 +99,28 @@ def read_run(src: str | Path) -> RunPolicy:
     model, quant = config.get("model", {}), config.get("quant", {})
     return RunPolicy(checkpoint, model["name"], model.get("master_dtype", "float32"),
                      quant.get("scheme", "w8a8-int8"), quant.get("options", {}),
-                     quant.get("include"), quant.get("exclude"))
+                     quant.get("include"), quant.get("exclude"), config.get("lora", {}))
 
 
-def load_master(policy: RunPolicy) -> CausalLM:
+def load_master(policy: RunPolicy, base: CausalLM | None = None) -> CausalLM:
     """The base model's architecture holding the checkpoint's master weights, every name
-    accounted for (a tied lm_head is stored once, as the embedding)."""
-    model = load_model(policy.model_name, dtype=DTYPES[policy.master_dtype])
+    accounted for (a tied lm_head is stored once, as the embedding). A LoRA run's: `base`
+    (default: the recipe's model) with its adapters attached and loaded (full-precision
+    layers: `qarl.quant.lora.LoraLinear`)."""
+    model = base if base is not None else load_model(policy.model_name,
+                                                     dtype=DTYPES[policy.master_dtype])
     weights = load_file(policy.checkpoint / WEIGHTS_FILE)
+    if policy.lora_rank:
+        lora = policy.lora
+        rank = policy.lora_rank
+        alpha = float(lora.get("alpha", 2 * rank))
+        attach_lora(model, rank, alpha, 0.0, lora.get("include", ["model.layers.*"]),
+                    lora.get("exclude", []), "zeros")
+        try:
+            load_adapters(model, weights)
+        except ValueError as err:
+            raise UserError(f"{policy.checkpoint / WEIGHTS_FILE}: {err}") from None
+        return model
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
@@ -102,10 +131,13 @@ def load_master(policy: RunPolicy) -> CausalLM:
     return model
 
 
-def export_run(src: str | Path, out: str | Path, format: str, scheme: str | None = None) -> Path:
+def export_run(src: str | Path, out: str | Path, format: str, scheme: str | None = None,
+               merge: bool = True, base: CausalLM | None = None) -> Path:
     """Write the policy of run or checkpoint folder `src` into the new folder `out` as `format`
-    ("hf" or "compressed-tensors"); `scheme` replaces the run's quant.scheme (compressed-tensors
-    only; the run's quant.options then apply only when it is the run's own scheme)."""
+    ("hf", "compressed-tensors" or "peft"); `scheme` replaces the run's quant.scheme
+    (compressed-tensors only; the run's quant.options then apply only when it is the run's own
+    scheme). A LoRA run: `merge` (hf) merges the adapters into the weights, else the base
+    alone is written; `base` is its base model (default: the recipe's model)."""
     if format not in FORMATS:
         raise UserError(f"unknown export format {format!r}; valid: {list(FORMATS)}")
     if scheme is not None and format == "hf":
@@ -120,7 +152,14 @@ def export_run(src: str | Path, out: str | Path, format: str, scheme: str | None
     if blocked is not None and not blocked.is_dir():
         raise UserError(f"cannot create {out}: {blocked} is a file; export elsewhere")
     policy = read_run(src)
-    model = load_master(policy)
+    if format == "peft" and not policy.lora_rank:
+        raise UserError(f"{policy.checkpoint} is a full fine-tuning run (lora.rank = 0): it has "
+                        "no adapter to write; use --format hf or compressed-tensors")
+    model = load_master(policy, base)
+    if format == "peft":
+        return write_peft(model, out, policy.model_name, model.config.family,
+                          float(policy.lora.get("dropout", 0.0)))
+    remove_adapters(model, merge=merge and format == "hf")
     if format == "hf":
         save_model(model, out)
     else:

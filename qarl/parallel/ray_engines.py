@@ -63,8 +63,8 @@ class EngineWorker:
     def score(self, batch: RolloutBatch, sampling: SamplingParams) -> Tensor:
         return self.engine.score(batch, sampling)
 
-    def load_weights(self, state: dict) -> None:
-        self.engine.load_weights(state)
+    def load_weights(self, state: dict, partial: bool = False) -> None:
+        self.engine.load_weights(state, partial)
 
     def describe(self) -> dict[str, str]:
         return self.engine.describe()
@@ -109,7 +109,9 @@ class RayEngines:
                 "lower dist.rollout_workers")
         self.pad_token_id: int = ray.get(pads[0])
         self.restarts = 0
-        self._weights = None  # ObjectRef of the last state pushed, reinstalled after a restart
+        # ObjectRefs reinstalled after a restart: the last whole state pushed, and the last
+        # partial one after it (a LoRA run's adapters), or None
+        self._weights = self._partial = None
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int,
                  row_offset: int = 0, prompt_width: int = 0) -> RolloutBatch:
@@ -135,10 +137,14 @@ class RayEngines:
                            for k, (a, b) in enumerate(bounds)])
         return torch.cat(parts)
 
-    def load_weights(self, state: dict) -> None:
+    def load_weights(self, state: dict, partial: bool = False) -> None:
         """One `ray.put` of the state; every actor installs it from the object store."""
-        self._weights = ray.put(state)
-        self._run([(k, "load_weights", (self._weights,)) for k in range(len(self.workers))])
+        ref = ray.put(state)
+        if partial:
+            self._partial = ref
+        else:
+            self._weights, self._partial = ref, None
+        self._run([(k, "load_weights", (ref, partial)) for k in range(len(self.workers))])
 
     def describe(self) -> dict[str, str]:
         return self._run([(0, "describe", ())])[0]
@@ -181,10 +187,19 @@ class RayEngines:
                         "(/tmp/ray/session_latest/logs) for why") from error
                 self.restarts += 1
                 self._wait_until_alive(k)
-                if self._weights is not None and method != "load_weights":
-                    ray.get(self.workers[k].load_weights.remote(self._weights))
+                self._reinstall(k, method)
                 pending[i] = self._submit(*calls[i])
         return [results[i] for i in range(len(calls))]
+
+    def _reinstall(self, k: int, method: str) -> None:
+        """A restarted actor k gets the weights the others hold (before its call is
+        resubmitted): the last whole state, then the adapters pushed after it; a failed
+        partial push itself is resubmitted after the whole state only."""
+        if self._weights is None or (method == "load_weights" and self._partial is None):
+            return  # nothing pushed yet, or the failed call is the whole push itself
+        ray.get(self.workers[k].load_weights.remote(self._weights))
+        if self._partial is not None and method != "load_weights":
+            ray.get(self.workers[k].load_weights.remote(self._partial, True))
 
     def _wait_until_alive(self, k: int) -> None:
         """Block until Ray has restarted actor k (its constructor rebuilt the engine)."""

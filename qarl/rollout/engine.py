@@ -117,12 +117,12 @@ class LocalEngine:
             pad = eos[0] if eos else 0
         return cls(model, eos_token_ids=eos, pad_token_id=pad, max_context=max_context)
 
-    def load_weights(self, state: dict) -> None:
+    def load_weights(self, state: dict, partial: bool = False) -> None:
         """Install new weights in place (QWeights as-is, plain tensors copied) via
-        `qarl.quant.load_state`; the engine keeps using the same module objects, and the next
-        call repacks whatever changed."""
+        `qarl.quant.load_state` (`partial`: a subset of the names); the engine keeps using
+        the same module objects, and the next call repacks whatever changed."""
         with torch.no_grad():
-            load_state(self.model, state)
+            load_state(self.model, state, strict=not partial)
 
     def qweights(self) -> dict:
         """The codes and scales each quantized layer decodes with (`Engine.qweights`)."""

@@ -63,14 +63,15 @@ class Engine(Protocol):
         not follow from its tokens and the engine's stop ids raises ValueError."""
         ...
 
-    def load_weights(self, state: dict) -> None:
+    def load_weights(self, state: dict, partial: bool = False) -> None:
         """Install the learner's weights, in place, before the next generate / score.
 
         `state` maps parameter names of the model (`model.layers.0.self_attn.q_proj.weight`)
         to a `qarl.quant.QWeight` (codes and scales of a quantized layer, used as-is, never
         re-quantized) or a Tensor (copied into the parameter or buffer): what
         `qarl.quant.export_state(learner)` returns. Every name of the model's state dict must
-        be present and no other (else KeyError); a QWeight for a layer that is not quantized
+        be present and no other (else KeyError); with `partial`, a subset of those names (a
+        LoRA run's adapters) and the rest stays; a QWeight for a layer that is not quantized
         with the same scheme and options raises. After it returns, no output is computed from
         the previous weights."""
         ...

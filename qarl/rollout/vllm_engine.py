@@ -218,13 +218,18 @@ class VLLMEngine:
                 [out.prompt_logprobs[j][seq[j]].logprob for j in range(P, len(seq))])
         return logp
 
-    def load_weights(self, state: dict) -> None:
+    def load_weights(self, state: dict, partial: bool = False) -> None:
         """Install `state` in the qarl copy (`qarl.quant.load_state`: names, schemes and
         shapes checked), then push the copy's codes and tensors into vLLM. The seconds it took
-        are kept in `last_sync_seconds`."""
+        are kept in `last_sync_seconds`. Whole states only: LoRA adapters (a partial state)
+        are refused, as the recipe check refuses lora.rank > 0 with this engine."""
         from qarl.export import ct_state
         from qarl.quant import export_state, load_state
 
+        if partial:
+            raise NotImplementedError(
+                "the vLLM engine takes whole weight states: qarl cannot push LoRA adapters into "
+                "vLLM's layers (use rollout.engine = 'local' for a LoRA run)")
         start = time.perf_counter()
         with torch.no_grad():
             load_state(self.model, state)

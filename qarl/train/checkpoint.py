@@ -1,7 +1,8 @@
 """Checkpoints: complete or ignored, with no pickles.
 
 A checkpoint is a folder `step_000012/` (12 steps done) holding
-- `model.safetensors`: the master weights (a tied weight is stored once);
+- `model.safetensors`: the master weights (a tied weight is stored once); of a LoRA learner,
+  its adapters (`<layer>.lora_A`, `.lora_B`), the frozen base being the recipe's;
 - `optimizer.safetensors`: every tensor of every optimizer's state, named
   `<optimizer>.<param id>.<key>`;
 - `rng.safetensors`: the global torch RNG state (`torch`) and each CUDA device's (`cuda.<i>`);
@@ -43,6 +44,7 @@ from torch import nn
 
 from qarl.errors import UserError
 from qarl.model.loading import check_safetensors
+from qarl.quant.lora import load_adapters, lora_names
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -111,7 +113,11 @@ def _unflatten_optimizer(optimizers, tensors: dict, scalars: list) -> None:
 
 
 def _master_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    weights = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters()}
+    """Every parameter; a LoRA learner's adapters only (its frozen base is rebuilt from the
+    recipe: model, warm start, quantization)."""
+    adapters = set(lora_names(model))
+    weights = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters()
+               if not adapters or n in adapters}
     # Tied weights are one tensor under two names; safetensors refuses shared storage.
     seen: dict[int, str] = {}
     for name in list(weights):
@@ -267,6 +273,14 @@ def load_weights(folder: Path, model: nn.Module) -> None:
     """Master weights of checkpoint `folder` into `model`, every name accounted for."""
     folder = Path(folder)
     weights = load_file(folder / "model.safetensors")
+    adapters = lora_names(model)
+    if adapters:  # a LoRA learner: exactly its adapters
+        try:
+            load_adapters(model, weights)
+        except ValueError as err:
+            raise ValueError(f"checkpoint {folder} does not fit this LoRA learner: {err}; was "
+                             "it written by another recipe's model or [lora]?") from None
+        return
     missing, unexpected = model.load_state_dict(weights, strict=False)
     parameters = dict(model.named_parameters())
     missing = [n for n in missing if n in parameters]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from qarl.algo.diagnostics import error_token_metrics
 from qarl.config import EvalSection, RunConfig
 from qarl.model import CausalLM
+from qarl.quant.lora import lora_names, merged_weights
 from qarl.rollout import LocalEngine
 from qarl.train.phases import reward_metrics, reward_responses
 from qarl.train.setup import Data, Policy
@@ -14,10 +15,13 @@ EVAL_CHUNK = 64  # prompts per generate call: bounds the KV cache at eval time
 
 
 def full_precision_copy(learner: CausalLM) -> CausalLM:
-    """A plain CausalLM holding the learner's master weights (no quantization anywhere)."""
+    """A plain CausalLM holding the learner's master weights (no quantization anywhere); a
+    LoRA learner's with each adapter merged into its layer's weight (W + (alpha / r) B A)."""
     weight = learner.model.embed_tokens.weight
     plain = CausalLM(learner.config).to(device=weight.device, dtype=weight.dtype)
-    masters = {name: p.detach() for name, p in learner.named_parameters()}
+    adapters = set(lora_names(learner))
+    masters = {name: p.detach() for name, p in learner.named_parameters() if name not in adapters}
+    masters.update(merged_weights(learner))
     missing, unexpected = plain.load_state_dict(masters, strict=False)
     missing = [n for n in missing if not (n == "lm_head.weight" and learner.config.tie_word_embeddings)]
     if missing or unexpected:

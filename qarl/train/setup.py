@@ -27,11 +27,14 @@ from typing import IO, Iterator
 
 import torch
 
-from qarl.config import QuantSection, RolloutSection, RunConfig, TaskSection, save_resolved
+from qarl.config import (
+    LoraSection, QuantSection, RolloutSection, RunConfig, TaskSection, save_resolved,
+)
 from qarl.errors import UserError
 from qarl.model import DTYPES, CausalLM, load_model, load_tokenizer
 from qarl.model.tokenizer import Tokenizer
 from qarl.quant import SCHEMES, quantize_model, release_masters
+from qarl.quant.lora import attach_lora, lora_names
 from qarl.rollout import ENGINES, Engine, LocalEngine
 from qarl.tasks import Example, RewardRunner, Task, make_task
 from qarl.train.audit import ReplayAudit
@@ -158,17 +161,45 @@ def _quant_kwargs(quant: QuantSection) -> dict:
     return dict(include=quant.include, exclude=quant.exclude, **quant.options)
 
 
-def engine_copy(model: CausalLM, quant: QuantSection, codes_only: bool = False) -> CausalLM:
+def engine_copy(model: CausalLM, quant: QuantSection, codes_only: bool = False,
+                lora: LoraSection | None = None) -> CausalLM:
     """A copy of `model` for the engine: its selected linears (quant.include / exclude) as
     `kernel`-mode QuantLinear of quant.scheme; a plain copy when the scheme is the identity.
     `codes_only`: the quantized layers keep their codes and scales, not the full-precision
-    weights (`release_masters`), for an engine that an aligned learner updates with QWeights."""
+    weights (`release_masters`), for an engine that an aligned learner updates with QWeights.
+    `lora` (rank > 0): the same layers as the learner's get adapters, zero until the first
+    push fills them with the learner's."""
     engine_model = copy.deepcopy(model)
     if not SCHEMES[quant.scheme].is_identity:
         quantize_model(engine_model, quant.scheme, mode="kernel", **_quant_kwargs(quant))
         if codes_only:
             release_masters(engine_model)
+    if lora is not None and lora.rank:
+        attach_adapters(engine_model, lora, init="zeros")
     return engine_model
+
+
+def attach_adapters(model: CausalLM, lora: LoraSection, init: str | None = None) -> list[str]:
+    """`qarl.quant.lora.attach_lora` with the recipe's [lora] (its init unless `init` says
+    otherwise); a target or rank that does not fit the model is a UserError naming the key."""
+    try:
+        return attach_lora(model, lora.rank, lora.scale_alpha(), lora.dropout, lora.include,
+                           lora.exclude, init or lora.init)
+    except ValueError as err:
+        raise UserError(f"[lora] {err}") from None
+
+
+def adapt_learner(learner: CausalLM, config: RunConfig) -> list[str]:
+    """The learner's adapters (`lora.rank` > 0: attached, frozen base, started from
+    `lora.init_from` when given); returns the adapters' tensor names (none for full weights)."""
+    if not config.lora.rank:
+        return []
+    attach_adapters(learner, config.lora)
+    if config.lora.init_from is not None:
+        from qarl.export.peft import import_peft
+
+        import_peft(learner, config.lora.init_from, learner.config.family)
+    return lora_names(learner)
 
 
 def pushes_codes(config: RunConfig) -> bool:
@@ -204,7 +235,7 @@ def build_engine(config: RunConfig, worker: int = 0, run_dir: Path | None = None
     its files go to run_dir / "vllm_policy" / "worker<k>"."""
     model = load_model(config.model.name, dtype=DTYPES[config.model.master_dtype])
     folder = None if run_dir is None else Path(run_dir) / "vllm_policy" / f"worker{worker}"
-    return make_engine(config, engine_copy(model, config.quant, pushes_codes(config)),
+    return make_engine(config, engine_copy(model, config.quant, pushes_codes(config), config.lora),
                        load_tokenizer(config.model.name), folder)
 
 
@@ -245,10 +276,11 @@ def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | No
         engine = RayEngines(partial(build_engine, config, run_dir=run_dir),
                             config.dist.rollout_workers, gpus_per_worker=gpus)
     else:  # the engine's copy, made before the learner is quantized
-        engine = make_engine(config, engine_copy(learner, config.quant, pushes_codes(config)),
-                             tokenizer,
+        engine = make_engine(config, engine_copy(learner, config.quant, pushes_codes(config),
+                                                 config.lora), tokenizer,
                              None if run_dir is None else Path(run_dir) / "vllm_policy")
     quantize_learner(learner, config.quant)
+    adapters = adapt_learner(learner, config)  # trains the adapters only, when there are any
     train = config.train
     optimizers = build_optimizer(learner, train.optimizer, train.lr, train.weight_decay,
                                  tuple(train.betas))
@@ -257,7 +289,7 @@ def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | No
     exact = replay_is_exact(config, bool(learner.config.moe_layers))
     audit = ReplayAudit(exact, config.train.audit_fraction, config.train.audit_full_every)
     return Policy(AlignedLearner(learner, optimizers, replayer, config.quant.routing_replay),
-                  engine, WeightSync(learner, engine, config.quant.sync_check),
+                  engine, WeightSync(learner, engine, config.quant.sync_check, adapters),
                   quantized=not identity, audit=audit,
                   contract=RunContract(config, exact, engine_label(config, engine)))
 

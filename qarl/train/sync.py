@@ -5,7 +5,8 @@ deployed low-bit policy at all (at small learning rates most int8 codes do not m
 - `sync/changed_code_frac`: fraction of weight codes that differ from the previous push;
 - `sync/scale_rel_drift`: mean |s_new - s_old| / |s_old| over the per-channel/group scales;
 - `sync/seconds`, `sync/megabytes`: time of export + install (+ the engine's own quantization
-  in the naive setup, where it receives full-precision weights).
+  in the naive setup, where it receives full-precision weights) and the size of what was sent
+  (a LoRA run, after its first push: the adapters only).
 The comparison reads the engine's QuantLinear layers, so it means the same in every mode.
 
 And checks the quantization contract (qarl/quant/contract.py) after every push, where
@@ -30,20 +31,31 @@ from qarl.quant.contract import (
 
 
 class WeightSync:
-    def __init__(self, learner, engine, check: bool = True):
+    """`adapters`: the learner's LoRA tensor names (qarl.quant.lora): after the first push,
+    which gives the engine the whole (frozen) base, only those go to the engine."""
+
+    def __init__(self, learner, engine, check: bool = True, adapters: list[str] = ()):
         self.learner, self.engine, self.check = learner, engine, check
+        self.adapters = list(adapters)
         self.previous: dict[str, QWeight] = {}
+        self.pushed = False
 
     def push(self) -> dict[str, float]:
         start = time.perf_counter()
         state = export_state(self.learner)
-        self.engine.load_weights(state)
+        if self.adapters and self.pushed:  # the frozen base is already there
+            sent = {name: state[name] for name in self.adapters}
+            self.engine.load_weights(sent, partial=True)
+        else:  # (an engine that takes no partial state is asked for whole ones only)
+            sent = state
+            self.engine.load_weights(sent)
+        self.pushed = True
         current = self.engine.qweights()
         seconds = time.perf_counter() - start
         megabytes = sum(v.nbytes() if isinstance(v, QWeight) else v.numel() * v.element_size()
-                        for v in state.values()) / 2**20
+                        for v in sent.values()) / 2**20
         metrics = {"sync/seconds": seconds, "sync/megabytes": megabytes}
-        if self.check:
+        if self.check:  # the whole state: the base the engine holds must still be the learner's
             start = time.perf_counter()
             self.verify(state)
             metrics["contract/seconds"] = time.perf_counter() - start

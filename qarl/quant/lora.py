@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qarl import native
 from qarl.quant.apply import is_selected
 from qarl.quant.kernels import batch_invariant_linear
 from qarl.quant.linear import QuantLinear
@@ -97,17 +98,34 @@ class LoraQuantLinear(LoraLayer, QuantLinear):
 
 
 class LoraLinear(LoraLayer, nn.Linear):
-    """A full-precision nn.Linear plus an fp32 adapter; without grad its base product is
-    `batch_invariant_linear` too, so an engine and a replay of it agree bit for bit."""
+    """A full-precision nn.Linear plus an fp32 adapter. Without grad its base product is the
+    one the engine's decode plan runs for a plain fp32 linear where qarl.native runs (its fp32
+    GEMM on the weight packed once per version: batch-invariant, the same bits, so B = 0 gives
+    the plain model's engine outputs exactly), else `batch_invariant_linear`; so an engine and
+    a replay of it agree bit for bit either way."""
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.is_grad_enabled():
             y = F.linear(x, self.weight, self.bias)
+        elif self._native_ok(x):
+            y = native.linear_f32(x, self._packed(), self.bias)
         else:
             x2 = x.reshape(-1, self.in_features)
             y = batch_invariant_linear(x2, self.weight, self.bias).to(x.dtype)
             y = y.reshape(*x.shape[:-1], self.out_features)
         return self._with_delta(x, y)
+
+    def _native_ok(self, x: Tensor) -> bool:
+        w = self.weight
+        return (native.available() and w.device.type == "cpu" and w.dtype == torch.float32
+                and x.dtype == torch.float32 and not w.is_inference())
+
+    def _packed(self):
+        key = (self.weight.data_ptr(), self.weight._version)
+        cached = self.__dict__.get("_pack")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_pack"] = (key, native.pack_f32(self.weight.detach()))
+        return cached[1]
 
     def extra_repr(self) -> str:
         return f"{nn.Linear.extra_repr(self)}, lora_rank={self.rank}, scaling={self.scaling:g}"
@@ -204,4 +222,5 @@ def remove_adapters(model: nn.Module, merge: bool) -> None:
         for p in LORA_PARAMS:
             delattr(layer, p)
         del layer.scaling, layer.lora_dropout
+        layer.__dict__.pop("_pack", None)
         layer.__class__ = QuantLinear if isinstance(layer, QuantLinear) else nn.Linear

@@ -41,12 +41,13 @@ def final_weights(tmp_path_factory):
     out, done = tmp_path_factory.mktemp("ranks"), {}
 
     def run(ranks: int, placement: str = "local", strategy: str = "replicate", epochs: int = 1,
-            file: str = "model.safetensors") -> dict[str, torch.Tensor]:
-        name = f"ranks{ranks}-{placement}-{strategy}-epochs{epochs}"
+            file: str = "model.safetensors", lora: int = 0) -> dict[str, torch.Tensor]:
+        name = f"ranks{ranks}-{placement}-{strategy}-epochs{epochs}-lora{lora}"
         if name not in done:
             train("tiny", {**OVERRIDES, "run.output_dir": str(out), "run.name": name,
                            "algo.epochs": epochs, "dist.learner_ranks": ranks,
-                           "dist.learner_placement": placement, "dist.learner_strategy": strategy})
+                           "dist.learner_placement": placement, "dist.learner_strategy": strategy,
+                           "lora.rank": lora})
             done[name] = latest(out / name)
         return load_file(done[name] / file)
 
@@ -58,6 +59,17 @@ def test_two_learner_ranks_give_the_weights_of_one(final_weights):
     gradients all-reduced) ends with master weights as close to learner_ranks = 1 as
     rank_weights.py allows."""
     assert_weights_agree(final_weights(1), final_weights(2))
+
+
+def test_two_learner_ranks_train_the_adapters_of_one(final_weights):
+    """A LoRA run (rank 4) on two replicated ranks: every follower builds the same adapters
+    and takes rank 0's, the gradients summed are the adapters' only; its checkpoint (adapters)
+    and their optimizer state end as one rank's, within rank_weights.py's tolerance."""
+    one, two = final_weights(1, lora=4), final_weights(2, lora=4)
+    assert one and all(k.endswith((".lora_A", ".lora_B")) for k in one)
+    assert_weights_agree(one, two)
+    assert_weights_agree(final_weights(1, lora=4, file="optimizer.safetensors"),
+                         final_weights(2, lora=4, file="optimizer.safetensors"))
 
 
 def test_a_ray_placed_rank_gives_the_local_ranks_weights(final_weights, ray_session):

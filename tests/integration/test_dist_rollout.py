@@ -16,6 +16,7 @@ ray = pytest.importorskip("ray")
 from qarl.config import load_config  # noqa: E402
 from qarl.parallel import RayEngines  # noqa: E402
 from qarl.quant import export_state  # noqa: E402
+from qarl.quant.lora import adapter_state  # noqa: E402
 from qarl.train.phases import train_examples  # noqa: E402
 from qarl.train.setup import build_engine, open_run, sampling_params  # noqa: E402
 from qarl.train.sft import warm_start  # noqa: E402
@@ -151,3 +152,34 @@ def test_a_rollout_worker_with_stale_codes_breaks_the_contract(ray_session, tmp_
             sync.push()
     finally:
         engines.close()
+
+
+def test_lora_adapters_reach_every_worker_and_survive_a_restart(ray_session, tmp_path):
+    """A LoRA run's pushes on Ray workers: the whole state, then adapters alone (trained B):
+    the workers sample exactly what the in-process engine with the same pushes samples, also
+    when an actor dies mid-shard after the partial push (it gets the whole state again, then
+    the adapters, before its shard reruns), and the learner's replay equals their logprobs."""
+    lora = {"lora.rank": 4}
+    config = load_config("tiny", {"run.output_dir": str(tmp_path), "run.name": "lora", **lora})
+    with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
+        policy.sync.push()
+        with torch.no_grad():
+            for name, t in adapter_state(policy.learner.model).items():
+                if name.endswith("lora_B"):
+                    t.normal_(0, 0.05, generator=torch.Generator().manual_seed(3))
+        assert policy.sync.push()["sync/megabytes"] < 1  # the adapters only
+        prompts = _step_prompts(config, data, step=1)
+        want = policy.engine.generate(prompts, sampling_params(config.rollout), seed=7)
+        whole, adapters = export_state(policy.learner.model), adapter_state(policy.learner.model)
+        replay, _ = policy.learner.replay(want, sampling_params(config.rollout))
+    assert torch.equal(replay, want.rollout_logp)
+    engines = RayEngines(partial(_dies_once, config, str(tmp_path / "died")), 2)
+    try:
+        engines.load_weights(whole)
+        engines.load_weights({k: v.clone() for k, v in adapters.items()}, partial=True)
+        got = engines.generate(prompts, sampling_params(config.rollout), seed=7)
+        assert (tmp_path / "died").exists() and engines.restarts == 1
+    finally:
+        engines.close()
+    for field in FIELDS:
+        assert torch.equal(getattr(want, field), getattr(got, field)), field

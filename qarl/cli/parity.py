@@ -45,18 +45,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="prompt and sampling seed")
     parser.add_argument("--no-full-sequence", action="store_true",
                         help="skip the full-sequence (teacher-forced forward) rows")
+    parser.add_argument("--lora-rank", type=int, default=None,
+                        help="rows with LoRA adapters of this rank on both sides (planted, "
+                        "nonzero; default: the recipe's lora.rank, else none)")
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead")
 
 
 def run(args: argparse.Namespace) -> int:
     from qarl.cli.parity_matrix import arm_row, check_names, format_table, progress_line, run_arms
-    from qarl.config import load_config
+    from qarl.config import LoraSection, load_config
     from qarl.errors import UserError
 
-    quant, model = None, args.model or "tiny"
+    quant, model, lora = None, args.model or "tiny", None
     if args.recipe is not None or args.overrides:
         config = load_config(args.recipe, args.overrides)  # a ConfigError: exit 2
         quant, model = config.quant, args.model or config.model.name
+        lora = config.lora if config.lora.rank else None
+    if args.lora_rank is not None:
+        if args.lora_rank < 0:
+            raise UserError(f"--lora-rank must be >= 0, got {args.lora_rank}")
+        lora = LoraSection(rank=args.lora_rank) if args.lora_rank else None
     kind = ENGINES[args.engine]
     schemes = args.schemes
     if schemes is None:  # the recipe's scheme, else every scheme the engine serves here
@@ -66,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     if args.prompts < 1:
         raise UserError(f"--prompts must be >= 1, got {args.prompts}")
     arms = run_arms(model, schemes, aligns, args.prompts, args.max_new_tokens,
-                    args.temperature, args.seed, not args.no_full_sequence, quant, args.engine)
+                    args.temperature, args.seed, not args.no_full_sequence, quant, args.engine,
+                    lora)
     rows = []
     for arm in arms:  # one progress line per arm on stderr
         rows.append(arm_row(arm))

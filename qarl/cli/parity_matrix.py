@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from qarl.config import QuantSection, TaskSection
+from qarl.config import LoraSection, QuantSection, TaskSection
 from qarl.errors import UserError
 from qarl.quant import ALIGNS, SCHEMES, scheme_options
 from qarl.rollout import ENGINES
@@ -78,6 +78,7 @@ class Arm:
     # MoE decode-replay: the learner routers' own top-k, [N, P + L, moe_layers, k] int16
     learner_routing: Tensor | None = None
     engine: str = "local"  # what sampled: "local", or "vllm <dtype>" (vLLM's dtype here)
+    lora_rank: int = 0  # both sides carry the same planted LoRA adapters of this rank (0: none)
 
 
 def check_names(schemes: Sequence[str], aligns: Sequence[str], options: dict | None = None,
@@ -155,19 +156,33 @@ def run_arms(
     include_full_sequence: bool = True,
     quant: QuantSection | None = None,
     engine: str = "local",
+    lora: LoraSection | None = None,
 ) -> Iterator[Arm]:
     """Yield one Arm per (scheme, align, path), scheme by scheme (see the module docstring).
     `quant` (a recipe's section; default: every projection in the blocks, no options) gives
     the include / exclude / options used for every scheme; its scheme and align are replaced.
-    `engine`: what samples the batch, "local" or "vllm"."""
+    `engine`: what samples the batch, "local" or "vllm". `lora` (rank > 0): the sampler and
+    every learner carry LoRA adapters on its targets, the same planted values on both sides
+    (A ~ N(0, 1/r), B ~ N(0, 0.02^2) per layer from `seed`: an adapter as after training)."""
     from qarl.model import load_model, load_tokenizer
     from qarl.quant import export_state, quant_layers
     from qarl.rollout import LocalEngine
     from qarl.train.logprobs import response_logprobs
-    from qarl.train.setup import engine_copy, quantize_learner
+    from qarl.train.setup import attach_adapters, engine_copy, quantize_learner
 
     quant = quant if quant is not None else QuantSection()
     check_names(schemes, aligns, quant.options, engine)
+    rank = lora.rank if lora is not None else 0
+    if rank and engine != "local":
+        raise UserError("LoRA rows need the local engine: qarl pushes adapters into its own "
+                        "engine only")
+
+    def adapted(model):
+        if rank:
+            attach_adapters(model, lora, init="zeros")
+            plant_adapters(model, seed)
+        return model
+
     kind = ENGINES[engine]
     tokenizer = load_tokenizer(model_name)
     pristine = load_model(model_name)
@@ -183,7 +198,7 @@ def run_arms(
     for scheme in schemes:
         identity = SCHEMES[scheme].is_identity
         with tempfile.TemporaryDirectory(prefix="qarl-parity-") as folder:
-            sampler = kind.build(engine_copy(pristine, quant.model_copy(update={"scheme": scheme})),
+            sampler = kind.build(adapted(engine_copy(pristine, quant.model_copy(update={"scheme": scheme}))),
                                  tokenizer, Path(folder), max_context=None, longest=longest,
                                  seed=seed, vllm_dtype="auto")
             batch = sampler.generate(prompts, sampling, seed=seed)
@@ -191,8 +206,8 @@ def run_arms(
             # The identity scheme: every alignment builds the same plain learner: measured once.
             for align in aligns if not identity else ("naive",):
                 start = time.perf_counter()
-                learner = quantize_learner(copy.deepcopy(pristine),
-                                           quant.model_copy(update={"scheme": scheme, "align": align}))
+                learner = adapted(quantize_learner(
+                    copy.deepcopy(pristine), quant.model_copy(update={"scheme": scheme, "align": align})))
                 sampler.load_weights(export_state(learner))
                 _check_same_codes(sampled_with, _engine_codes(sampler), scheme, align)
                 scorer = LocalEngine.from_tokenizer(learner, tokenizer)  # the learner's replay
@@ -201,7 +216,7 @@ def run_arms(
                     old_logp, routing = scorer.score_routing(batch, sampling, replay=bool(replay))
                     yield Arm(scheme, align, DECODE_REPLAY, old_logp, batch,
                               time.perf_counter() - start, layers, replay, routing,
-                              engine=kind.label(sampler))
+                              engine=kind.label(sampler), lora_rank=rank)
                     if include_full_sequence and (align == "kernel" or identity):
                         start = time.perf_counter()
                         with torch.no_grad():
@@ -209,9 +224,23 @@ def run_arms(
                                                         routing_replay=bool(replay))
                         yield Arm(scheme, align, FULL_SEQUENCE, fast, batch,
                                   time.perf_counter() - start, layers, replay,
-                                  engine=kind.label(sampler))
+                                  engine=kind.label(sampler), lora_rank=rank)
                     start = time.perf_counter()
             sampler.close()
+
+
+def plant_adapters(model, seed: int) -> None:
+    """Every LoRA layer's A ~ N(0, 1/r) and B ~ N(0, 0.02^2), drawn per layer name from `seed`:
+    the same adapters on every copy of a model, and a B that is not zero."""
+    import zlib
+
+    from qarl.quant.lora import lora_layers
+
+    with torch.no_grad():
+        for name, layer in lora_layers(model).items():
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            layer.lora_A.copy_(torch.randn(layer.lora_A.shape, generator=g) / layer.rank)
+            layer.lora_B.copy_(0.02 * torch.randn(layer.lora_B.shape, generator=g))
 
 
 def arm_row(arm: Arm) -> dict:
@@ -243,6 +272,7 @@ def arm_row(arm: Arm) -> dict:
         "seconds": round(arm.seconds, 3),
         "routing_replay": arm.routing_replay,  # None: a dense model
         "routing_disagree_frac": disagree,  # None: dense, or a full-sequence row
+        "lora_rank": arm.lora_rank,  # 0: no adapters
     }
 
 
@@ -257,13 +287,14 @@ def parity_matrix(
     include_full_sequence: bool = True,
     quant: QuantSection | None = None,
     engine: str = "local",
+    lora: LoraSection | None = None,
 ) -> list[dict]:
     """One row (see `arm_row`) per (scheme, align, path); schemes default to all of SCHEMES."""
     from qarl.quant import SCHEMES
 
     schemes = list(SCHEMES) if schemes is None else list(schemes)
     arms = run_arms(model_name, schemes, aligns, num_prompts, max_new_tokens, temperature, seed,
-                    include_full_sequence, quant, engine)
+                    include_full_sequence, quant, engine, lora)
     return [arm_row(arm) for arm in arms]
 
 
@@ -285,13 +316,16 @@ def format_table(rows: list[dict]) -> str:
     buckets = sorted({b for r in rows for b in r["by_position"]}, key=lambda b: int(b.split("-")[0].rstrip("+")))
     moe = any(r.get("routing_replay") is not None for r in rows)
     served = any(r["engine"] != "local" for r in rows)  # vLLM rows name vLLM's dtype
-    header = ["scheme", "align", "path", *(("engine",) if served else ()),
+    lora = any(r.get("lora_rank") for r in rows)
+    header = ["scheme", "align", "path", *(("lora r",) if lora else ()),
+              *(("engine",) if served else ()),
               *(("replay", "route≠") if moe else ()), "mean|Δ|", "max|Δ|", "k3-KL", "ρ mean", "ρ min", "ρ max",
               "exact", *(f"|Δ| @{b}" for b in buckets), "tokens", "s"]
     lines = [header]
     for r in rows:
         lines.append([
-            r["scheme"], r["align"], r["path"], *((r["engine"],) if served else ()),
+            r["scheme"], r["align"], r["path"], *((str(r["lora_rank"]),) if lora else ()),
+            *((r["engine"],) if served else ()),
             *(_routing_cells(r) if moe else ()),
             _num(r["mean_abs_dlogp"]), _num(r["max_abs_dlogp"]),
             _num(r["k3_kl"]), *(f"{r[k]:.6f}" for k in ("seq_ratio_mean", "seq_ratio_min", "seq_ratio_max")),

@@ -24,7 +24,7 @@ QUANTIZED = [s for s in SCHEMES if not SCHEMES[s].is_identity]
 ROW_KEYS = {
     "scheme", "align", "engine", "path", "mean_abs_dlogp", "max_abs_dlogp", "k3_kl", "seq_ratio_mean",
     "seq_ratio_min", "seq_ratio_max", "by_position", "num_tokens", "seconds", "bit_exact",
-    "routing_replay", "routing_disagree_frac",
+    "routing_replay", "routing_disagree_frac", "lora_rank",
 }
 
 
@@ -115,6 +115,23 @@ def test_cli_json_rows(tiny_dir, capsys):
         assert set(row) == ROW_KEYS
         assert row["num_tokens"] > 0 and set(row["by_position"]) <= {"0-7", "8-15"}
     assert rows[3]["max_abs_dlogp"] == 0.0 and rows[3]["bit_exact"]
+
+
+def test_lora_rows_keep_kernel_alignment_exact(tiny_dir, capsys):
+    """`qarl parity --lora-rank 8`: sampler and learners carry the same planted, nonzero
+    adapters; kernel decode-replay rows stay bit exact in every format, fake and naive rows
+    measure their usual mismatch, and the rows and table name the rank."""
+    code = main(["parity", "--model", str(tiny_dir), "--aligns", "naive,fake,kernel",
+                 "--prompts", "2", "--max-new-tokens", "8", "--lora-rank", "8", "--json",
+                 "--no-full-sequence"])
+    assert code == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["lora_rank"] for r in rows} == {8}
+    kernel = [r for r in rows if r["align"] == "kernel"]
+    assert {r["scheme"] for r in kernel} == set(QUANTIZED)
+    assert all(r["bit_exact"] and r["max_abs_dlogp"] == 0.0 for r in kernel)
+    assert all(r["max_abs_dlogp"] > 0 for r in rows if r["align"] == "naive" and r["scheme"] != "none")
+    assert "lora r" in format_table(rows).splitlines()[0]
 
 
 def test_cli_table(tiny_dir, capsys):

@@ -1,6 +1,7 @@
 """`qarl eval [RECIPE] [--checkpoint DIR] [--section.key=value ...]`: held-out evaluation.
 
-Evaluates the recipe's model (or a checkpoint's master weights) on the task's eval split with
+Evaluates the recipe's model (or a checkpoint's master weights; a LoRA checkpoint's adapters
+on the recipe's base, with the recipe's [lora]) on the task's eval split with
 the quantized engine (the deployed policy) and, unless eval.full_precision is false, with the
 full-precision master weights. Prints a table, or JSON with --json.
 """
@@ -35,19 +36,25 @@ def run(args: argparse.Namespace) -> int:
     # Its own run folder: never overwrite (or wait on the lock of) the training run's.
     config = config.model_copy(update={"run": config.run.model_copy(
         update={"name": f"{config.run.name}-eval"})})
+    from qarl.train.checkpoint import load_weights
+
+    adapters = args.checkpoint is not None and config.lora.rank > 0  # on the recipe's base
     if args.checkpoint is not None:
         from qarl.model import load_model
-        from qarl.train.checkpoint import load_weights
 
         weights_file = args.checkpoint / "model.safetensors"
         if not weights_file.exists():
             raise UserError(f"no model.safetensors in {args.checkpoint}: pass a step_NNNNNN "
                             "folder of a run")
+    if args.checkpoint is not None and not adapters:
         learner = load_model(config.model.name, dtype=DTYPES[config.model.master_dtype])
         load_weights(args.checkpoint, learner)
     else:
         learner = warm_start(config)
     with open_run(config, learner=learner) as (_, policy, data), torch.no_grad():
+        if adapters:  # a LoRA checkpoint holds the adapters: into the learner, then the engine
+            load_weights(args.checkpoint, policy.learner.model)
+            policy.sync.push()
         metrics = evaluate(policy, data, config)
     if args.json:
         print(json.dumps(metrics, indent=1))

@@ -199,3 +199,16 @@ def test_lora_layers_of_the_export_match_the_run(lora_run):
     assert {layer.rank for layer in layers.values()} == {4}
     assert {layer.scaling for layer in layers.values()} == {2.0}
     assert len(layers) == 7 * _blocks()
+
+
+def test_qarl_eval_of_a_lora_checkpoint_is_the_runs_final_eval(lora_run, capsys, tmp_path):
+    """`qarl eval --checkpoint` of a LoRA run's last checkpoint (the recipe with its [lora])
+    puts the adapters on the recipe's base and reproduces the run's own final evaluation of
+    the deployed policy exactly."""
+    final = [r for r in read_metrics(lora_run / "metrics.jsonl") if r["kind"] == "eval"][-1]
+    args = [f"--{k}={json.dumps(v)}" for k, v in LORA.items() if k != "train.steps"]
+    assert main(["eval", "tiny", "--checkpoint", str(latest(lora_run)), "--json",
+                 f"--run.output_dir={tmp_path}", *args]) == 0
+    out = capsys.readouterr().out
+    metrics = json.loads(out[out.index("{\n"):])
+    assert metrics["eval/accuracy_quantized"] == final["eval/accuracy_quantized"]

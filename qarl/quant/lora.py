@@ -9,8 +9,9 @@ the model and returns the adapted layers' names. State dict names are `<layer>.l
 `<layer>.lora_B`: `export_state` / `load_state` / checkpoints carry them like any tensor.
 
 Arithmetic. Without grad (the engine's decode, the learner's replay) both adapter products are
-`batch_invariant_linear` (a row's bits never depend on the other rows) in fp32, added to the
-base output in the base's own kernel: the engine and a `kernel`-mode learner holding the same
+qarl.native's fp32 GEMM on the adapters packed once per version where it runs, else
+`batch_invariant_linear` (either way a row's bits never depend on the other rows), added to
+the base output of the base's own kernel: the engine and a `kernel`-mode learner holding the same
 codes and adapters compute the same bits, so the replay stays exact. With grad (the learner's
 gradient pass, whose value the exact replay replaces) they are `F.linear`, the same function up
 to summation order, with dropout on the adapter input when `dropout` > 0 (PEFT's
@@ -71,7 +72,7 @@ class LoraLayer:
     def delta(self, x: Tensor) -> Tensor:  # [M, in] -> scaling * B(A(x)) [M, out] float32
         h = x.float()
         if not torch.is_grad_enabled():
-            if _native_ok(self.lora_A, h):  # 8x faster than 16-row torch.mm tiles here
+            if _native_ok(self.lora_A, h):  # ~2x the 16-row torch.mm tiles here
                 a, b = (_packed(self, name) for name in LORA_PARAMS)
                 return native.linear_f32(native.linear_f32(h, a), b) * self.scaling
             return batch_invariant_linear(batch_invariant_linear(h, self.lora_A),

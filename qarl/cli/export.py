@@ -40,10 +40,14 @@ def _lora_base(src: Path):
     """A LoRA run's base model where its recipe warm-starts (the [sft] cache, trained again
     if it is gone); None otherwise: the recipe's model is the base."""
     from qarl.config import load_config
+    from qarl.errors import UserError
     from qarl.export.run import CONFIG_FILE, read_run
     from qarl.train.sft import warm_start
 
-    policy = read_run(src)
+    try:
+        policy = read_run(src)
+    except UserError:
+        return None  # export_run names what is wrong, after its own checks of OUT
     if not policy.lora_rank:
         return None
     return warm_start(load_config(policy.checkpoint / CONFIG_FILE))

@@ -64,7 +64,11 @@ class EngineWorker:
         return self.engine.score(batch, sampling)
 
     def load_weights(self, state: dict, partial: bool = False) -> None:
-        self.engine.load_weights(state, partial)
+        # an engine that takes no partial state is asked for whole ones only (WeightSync.push)
+        if partial:
+            self.engine.load_weights(state, partial=True)
+        else:
+            self.engine.load_weights(state)
 
     def describe(self) -> dict[str, str]:
         return self.engine.describe()

@@ -61,8 +61,8 @@ def test_a_layer_full_precision_on_the_engine_stops_before_step_1(tmp_path, monk
     quant.contract_exempt the run goes on and lists it as exempt."""
     engine_copy = setup.engine_copy
 
-    def leaky(model, quant, codes_only=False):
-        return engine_copy(model, quant.model_copy(update={"exclude": [LAYER]}), codes_only)
+    def leaky(model, quant, codes_only=False, lora=None):
+        return engine_copy(model, quant.model_copy(update={"exclude": [LAYER]}), codes_only, lora)
 
     monkeypatch.setattr(setup, "engine_copy", leaky)
     monkeypatch.setattr(setup, "pushes_codes", lambda config: False)  # full weights reach it

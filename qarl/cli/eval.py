@@ -36,16 +36,13 @@ def run(args: argparse.Namespace) -> int:
     # Its own run folder: never overwrite (or wait on the lock of) the training run's.
     config = config.model_copy(update={"run": config.run.model_copy(
         update={"name": f"{config.run.name}-eval"})})
+    from qarl.model import load_model
     from qarl.train.checkpoint import load_weights
 
+    if args.checkpoint is not None and not (args.checkpoint / "model.safetensors").exists():
+        raise UserError(f"no model.safetensors in {args.checkpoint}: pass a step_NNNNNN "
+                        "folder of a run")
     adapters = args.checkpoint is not None and config.lora.rank > 0  # on the recipe's base
-    if args.checkpoint is not None:
-        from qarl.model import load_model
-
-        weights_file = args.checkpoint / "model.safetensors"
-        if not weights_file.exists():
-            raise UserError(f"no model.safetensors in {args.checkpoint}: pass a step_NNNNNN "
-                            "folder of a run")
     if args.checkpoint is not None and not adapters:
         learner = load_model(config.model.name, dtype=DTYPES[config.model.master_dtype])
         load_weights(args.checkpoint, learner)

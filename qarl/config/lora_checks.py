@@ -50,7 +50,7 @@ def lora_resources(model, lora) -> list[Problem]:
     if not lora.rank:
         return []
     from qarl.export.peft import config_problems, fit_problems
-    from qarl.quant.lora import attach_lora
+    from qarl.quant.lora import attach_lora, lora_targets
 
     problems = []
     if lora.init_from is not None:
@@ -59,12 +59,14 @@ def lora_resources(model, lora) -> list[Problem]:
     skeleton = _skeleton(model.name)
     if skeleton is None:
         return problems
+    # the same call the trainer makes: its ValueError names the fix (no target, or a rank
+    # wider than one), the key is the one at fault
+    key = "lora.rank" if lora_targets(skeleton, lora.include, lora.exclude) else "lora.include"
     try:
         attach_lora(skeleton, lora.rank, lora.scale_alpha(), lora.dropout, lora.include,
                     lora.exclude, "zeros")
     except ValueError as err:
-        return problems + [Problem("lora.include" if "matches no" in str(err) else "lora.rank",
-                                   str(err))]
+        return problems + [Problem(key, str(err))]
     if lora.init_from is not None and not problems:
         problems += [Problem("lora.init_from", text) for text in
                      fit_problems(lora.init_from, skeleton.config.family, skeleton)]

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from qarl.config.section import SECTION as _SECTION
+from qarl.quant.lora import default_alpha
 
 
 class LoraSection(BaseModel):
@@ -43,4 +44,4 @@ class LoraSection(BaseModel):
 
     def scale_alpha(self) -> float:
         """alpha, its default filled in (2 x rank)."""
-        return float(self.alpha) if self.alpha is not None else 2.0 * self.rank
+        return float(self.alpha) if self.alpha is not None else default_alpha(self.rank)

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from qarl.errors import UserError
 from qarl.model.names import name_in_memory, name_on_disk
 from qarl.quant import QuantLinear
-from qarl.quant.lora import load_adapters, lora_layers
+from qarl.quant.lora import adapter_state, load_adapters, lora_layers
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -130,8 +130,7 @@ def adapter_shapes(folder: str | Path, family: str) -> dict[str, tuple[int, ...]
 
 def fit_problems(folder: str | Path, family: str, model: nn.Module) -> list[str]:
     """Where the adapter's tensors do not fit the model's LoRA layers (names and shapes)."""
-    own = {f"{n}.{p}": tuple(getattr(layer, p).shape)
-           for n, layer in lora_layers(model).items() for p in PARTS}
+    own = {name: tuple(t.shape) for name, t in adapter_state(model).items()}
     theirs = adapter_shapes(folder, family)
     problems = []
     extra, missing = sorted(set(theirs) - set(own)), sorted(set(own) - set(theirs))

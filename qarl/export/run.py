@@ -48,7 +48,7 @@ from qarl.model.names import state_on_disk
 from qarl.model.zoo import resolve
 from qarl.quant import SCHEMES, QWeight, export_state, quantize_model
 from qarl.quant.apply import FUSED_GROUPS
-from qarl.quant.lora import attach_lora, load_adapters, remove_adapters
+from qarl.quant.lora import attach_lora, default_alpha, load_adapters, remove_adapters
 
 FORMATS = ("hf", "compressed-tensors", "peft")
 CONFIG_FILE = "config.toml"  # the resolved config a checkpoint was trained with
@@ -110,12 +110,10 @@ def load_master(policy: RunPolicy, base: CausalLM | None = None) -> CausalLM:
     model = base if base is not None else load_model(policy.model_name,
                                                      dtype=DTYPES[policy.master_dtype])
     weights = load_file(policy.checkpoint / WEIGHTS_FILE)
-    if policy.lora_rank:
-        lora = policy.lora
-        rank = policy.lora_rank
-        alpha = float(lora.get("alpha", 2 * rank))
-        attach_lora(model, rank, alpha, 0.0, lora.get("include", ["model.layers.*"]),
-                    lora.get("exclude", []), "zeros")
+    if policy.lora_rank:  # the resolved config holds every [lora] key but a default alpha
+        lora, rank = policy.lora, policy.lora_rank
+        attach_lora(model, rank, float(lora.get("alpha", default_alpha(rank))), 0.0,
+                    lora["include"], lora["exclude"], "zeros")
         try:
             load_adapters(model, weights)
         except ValueError as err:

@@ -37,6 +37,11 @@ from qarl.quant.kernels import batch_invariant_linear
 from qarl.quant.linear import QuantLinear
 
 LORA_PARAMS = ("lora_A", "lora_B")
+
+
+def default_alpha(rank: int) -> float:
+    """lora.alpha when a recipe leaves it out: 2 x rank (scale 2)."""
+    return 2.0 * rank
 INITS = ("default", "gaussian", "zeros")  # zeros: an engine copy's, until the first push
 
 
@@ -147,7 +152,7 @@ def lora_layers(model: nn.Module) -> dict[str, LoraLayer]:
 
 def lora_names(model: nn.Module) -> list[str]:
     """State dict names of every adapter tensor (`<layer>.lora_A`, `<layer>.lora_B`)."""
-    return [f"{name}.{p}" for name in lora_layers(model) for p in LORA_PARAMS]
+    return list(adapter_state(model))
 
 
 def adapter_state(model: nn.Module) -> dict[str, Tensor]:

@@ -16,8 +16,17 @@ Names are resolved lazily so `import qarl` stays cheap and the CLI starts fast.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 __version__ = "0.1.0"
+
+# torch's CPU allocator reads THP_MEM_ALLOC_ENABLE once, at its first allocation, so huge pages
+# for large tensors are asked for here, before any qarl module imports torch (why, what it
+# measures and the opt-outs: qarl/native/memory.py).
+HUGE_PAGES_ASKED = os.environ.get("QARL_MALLOC", "") != "default" and "torch" not in sys.modules
+if HUGE_PAGES_ASKED:
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 _EXPORTS = {
     "SamplingParams": "qarl.types",

@@ -50,14 +50,14 @@ def machine() -> dict:
     qarl.native.memory did to the allocator, and the instruction sets qarl.native's GEMMs run."""
     import torch
 
-    from qarl.native.memory import allocator
+    from qarl.native.memory import allocator, huge_pages
 
     info = isa._cpuinfo()
     return {"cpu": isa.cpu_name(), "cpu_id": f"{info.get('vendor_id', '?')} family "
             f"{info.get('cpu family', '?')} model {info.get('model', '?')}",
             "isa": isa.isa_levels(), "cores": os.cpu_count(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "allocator": allocator(),
+            "allocator": allocator(), "huge_pages": huge_pages(),
             # the instruction sets qarl.native's GEMMs dispatch to here (the same bits on each)
             "native_gemm": ({"f32": f32_isa(), "s8": s8_isa()} if available()
                             else f"off: {why_unavailable()}")}

@@ -5,13 +5,23 @@ glibc's malloc serves every block above its mmap threshold (128 KiB, raised on t
 above 128 KiB. A training step allocates and frees gigabytes of activations, gradients and
 logits chunks in blocks of 1-100 MiB, so each new tensor's every page is faulted in and
 zeroed by the kernel again, step after step; on a 2-core VM that was 15-25% of the update
-(docs/benchmarks.md). `tune_allocator` sets both thresholds to 1 GiB: freed blocks stay in
-the heap and the next step reuses them (the resident size stays near the step's peak instead
-of falling between steps; the peak itself is measured in the same benchmark).
+(docs/benchmarks.md). `tune_allocator` raises the mmap threshold to 1 GiB and turns the trim
+off: freed blocks stay in the heap and the next step reuses them. (With the 1 GiB trim
+threshold this module set before, 2 of 15 default-recipe steps measured on 2 AMD EPYC Zen 5
+cores still handed the heap top back at their end and faulted ~260k pages, 1 GB, in again:
+2-3 s of system time in a 3.5-4 s step.) The resident size stays at the step's peak between
+steps; the peak itself does not grow.
+
+Huge pages: torch's CPU allocator advises the kernel to back blocks of 2 MiB and more with
+transparent huge pages when THP_MEM_ALLOC_ENABLE=1 is set before its first allocation;
+`import qarl` sets it where torch is not imported yet (qarl/__init__.py). A first step grows
+the heap to the step's peak (~800k pages of 4 KiB on the default recipe); with huge pages
+`make train` faults 0.53M pages instead of 1.37M, in 20.8 s of system time instead of 27.0
+(docs/benchmarks.md). `huge_pages()` says whether it holds in this process.
 
 It acts only on glibc (Linux), once per process, and not at all when the environment already
 tunes malloc (`GLIBC_TUNABLES` naming glibc.malloc) or `QARL_MALLOC=default` asks for the
-allocator's own behaviour.
+allocator's own behaviour (which also leaves huge pages off).
 """
 
 from __future__ import annotations
@@ -21,15 +31,18 @@ import os
 import sys
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
-THRESHOLD = 1 << 30  # bytes, both thresholds
+MMAP_THRESHOLD = 1 << 30  # bytes
+NEVER_TRIM = -1  # mallopt takes an int; glibc stores the trim threshold as size_t: SIZE_MAX
+THP_ENV = "THP_MEM_ALLOC_ENABLE"  # read by torch's CPU allocator (c10/core/alloc_cpu.cpp)
+THP_SYSFS = "/sys/kernel/mm/transparent_hugepage/enabled"
 ENV = "QARL_MALLOC"
 
 _state: dict[str, str] = {}
 
 
 def tune_allocator() -> str:
-    """Raise glibc's mmap and trim thresholds (module docstring), once per process. -> what
-    was done, for describe() and benchmark JSON: "tuned", or why not."""
+    """Raise glibc's mmap threshold and turn its trim off (module docstring), once per
+    process. -> what was done, for describe() and benchmark JSON: "tuned", or why not."""
     if "result" not in _state:
         _state["result"] = _tune()
     return _state["result"]
@@ -53,6 +66,24 @@ def _tune() -> str:
     except (OSError, AttributeError):
         return "platform default (no mallopt: not glibc)"
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    if not (mallopt(M_MMAP_THRESHOLD, THRESHOLD) and mallopt(M_TRIM_THRESHOLD, THRESHOLD)):
+    if not (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD, NEVER_TRIM)):
         return "glibc default (mallopt refused the thresholds)"
     return "tuned"
+
+
+def huge_pages() -> str:
+    """Whether torch's CPU allocator asks for transparent huge pages in this process: "on", or
+    why not (module docstring)."""
+    asked = os.environ.get(THP_ENV)
+    if asked != "1":
+        if asked is not None:
+            return f"off ({THP_ENV}={asked})"
+        if os.environ.get(ENV, "") == "default":
+            return f"off ({ENV}=default)"
+        return f"off (torch was imported before qarl: set {THP_ENV}=1 before importing torch)"
+    try:
+        with open(THP_SYSFS) as f:
+            mode = f.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return "asked (the kernel has no transparent huge pages)"
+    return "off (kernel: transparent_hugepage never)" if mode == "never" else "on"

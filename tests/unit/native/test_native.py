@@ -382,3 +382,76 @@ def test_allocator_tuned_once_per_process_and_opt_outs_respected():
     assert _allocator_in_child({"QARL_MALLOC": "default"}) == "glibc default (QARL_MALLOC=default)"
     tunables = {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1048576"}
     assert _allocator_in_child(tunables) == "as GLIBC_TUNABLES sets it"
+
+
+def _child(code: str, env: dict[str, str]) -> str:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("QARL_MALLOC", "GLIBC_TUNABLES", "THP_MEM_ALLOC_ENABLE")} | env
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+# 3 x 400 MB freed at the heap's top: more than the 1 GiB trim threshold this module set
+# before (and above glibc's default mmap threshold), so only a trim that is off keeps the pages
+# for the next step. malloc itself: torch's aligned allocations reuse a freed block of the same
+# size only when its neighbours allow, which is the heap's business, not the thresholds'.
+_REUSE = """
+import ctypes, resource
+from qarl.native.memory import tune_allocator
+print(tune_allocator())
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+def step():
+    blocks = [libc.malloc(400 << 20) for _ in range(3)]
+    for b in blocks:
+        libc.memset(b, 1, 400 << 20)  # every page touched
+    for b in blocks:
+        libc.free(b)
+step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
+def test_tuned_allocator_keeps_freed_blocks_for_the_next_step():
+    # 1.2 GB = 307k pages of 4 KiB: faulted in again when the heap is handed back
+    tuned, faults = _child(_REUSE, {}).splitlines()
+    assert tuned == "tuned" and int(faults) < 2000
+    default, faults = _child(_REUSE, {"QARL_MALLOC": "default"}).splitlines()
+    assert default.startswith("glibc default") and int(faults) > 250_000
+    gib = "glibc.malloc.trim_threshold=1073741824:glibc.malloc.mmap_threshold=1073741824"
+    tunables, faults = _child(_REUSE, {"GLIBC_TUNABLES": gib}).splitlines()
+    assert tunables == "as GLIBC_TUNABLES sets it" and int(faults) > 150_000
+
+
+_HUGE = """
+import qarl
+from qarl.native.memory import huge_pages
+state = huge_pages()
+print(state)
+if state == "on":
+    import torch
+    t = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    with open("/proc/self/smaps_rollup") as f:
+        print(next(int(l.split()[1]) for l in f if l.startswith("AnonHugePages")))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_huge_pages_asked_before_torch_and_opt_outs_named():
+    out = _child(_HUGE, {}).splitlines()
+    if out[0] == "on":  # the kernel backs the 64 MiB tensor with 2 MiB pages (some of them)
+        assert int(out[1]) >= 2048, out
+    else:
+        assert out[0] == "off (kernel: transparent_hugepage never)", out
+    assert _child(_HUGE, {"THP_MEM_ALLOC_ENABLE": "0"}) == "off (THP_MEM_ALLOC_ENABLE=0)"
+    assert _child(_HUGE, {"QARL_MALLOC": "default"}) == "off (QARL_MALLOC=default)"
+    late = _child("import torch\n" + _HUGE, {}).splitlines()
+    assert late[0].startswith("off (torch was imported before qarl")
+    assert "huge_pages" in nat.machine()

@@ -57,29 +57,38 @@ class _STELinear(torch.autograd.Function):
     weight gradient lands in the master's dtype."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, fn, x_hat_fn, w_hat, act):
+    def forward(ctx, x, weight, bias, fn, x_hat_fn, w_hat, act, compute):
         # x: [M, K]; weight: master [N, K] (only its grad slot is used); w_hat: [N, K] in the
-        # backward's compute dtype; act: what x_hat_fn(*act) builds x_hat from, (x,) or the
-        # activation codes the forward's kernel ran on (Scheme.act_codes)
-        ctx.save_for_backward(w_hat, *act)
+        # backward's compute dtype, or a function that makes it there (a layer whose forward
+        # runs on codes: its dequantized weight exists one layer at a time in the backward,
+        # not for every layer through the step); act: what x_hat_fn(*act) builds x_hat from,
+        # (x,) or the activation codes the forward's kernel ran on (Scheme.act_codes)
+        ctx.w_hat_fn = w_hat if callable(w_hat) else None
+        if ctx.w_hat_fn is None:
+            ctx.save_for_backward(w_hat, *act)
+        else:
+            ctx.save_for_backward(*act)
         ctx.x_hat_fn, ctx.has_bias, ctx.dtypes = x_hat_fn, bias is not None, (x.dtype, weight.dtype)
-        ctx.compute = w_hat.dtype
+        ctx.compute = compute
         # under autocast x may arrive in bf16 from the op before; the scheme's kernel takes fp32
         return fn(x if ctx.compute == torch.float32 else x.float())
 
     @staticmethod
     def backward(ctx, grad):  # grad: [M, N]
-        w_hat, *act = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        w_hat, act = (saved[0], saved[1:]) if ctx.w_hat_fn is None else (None, saved)
         g = grad.to(ctx.compute)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
+            w_hat = w_hat if ctx.w_hat_fn is None else ctx.w_hat_fn()
             grad_x = K.learner_mm(g, w_hat).to(ctx.dtypes[0])  # dL/dx = g W_hat
+            del w_hat  # one layer's at a time where it was made here
         if ctx.needs_input_grad[1]:
             x_hat = ctx.x_hat_fn(*act).to(ctx.compute)
             grad_w = K.learner_mm(g.t(), x_hat).to(ctx.dtypes[1])  # dL/dW = g^T x_hat
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.float().sum(0)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 class QuantLinear(nn.Module):
@@ -200,6 +209,14 @@ class QuantLinear(nn.Module):
                 self._dequantized[dtype] = full.to(dtype)
         return self._dequantized[dtype]
 
+    def _dequantize(self, qw: QWeight, dtype: torch.dtype) -> Tensor:  # [N, K], not cached
+        """`qw` dequantized in `dtype`: the cached copy where the forward made one, else anew
+        (the backward of a layer whose forward ran on codes)."""
+        if dtype in self._dequantized and qw is self._qweight:
+            return self._dequantized[dtype]
+        with torch.inference_mode(False), torch.no_grad():
+            return self.scheme.dequantize(qw).to(dtype)
+
     def forward(self, x: Tensor) -> Tensor:  # x: [..., in] -> [..., out]
         qw = self.qweight()
         needs_grad = torch.is_grad_enabled() and (
@@ -221,14 +238,15 @@ class QuantLinear(nn.Module):
                        and torch.is_autocast_enabled(device) else torch.float32)
             codes = self.scheme.act_codes(x2.detach().float()) if self.mode == "kernel" \
                 and self.scheme.kernel_for_gradients(x.device) else None
-            if codes is None:
+            if codes is None:  # the forward reads the dequantized weight: cached per version
                 act, x_hat_fn = (x2,), lambda t: self.scheme.act_qdq(t.float())
+                w_hat = self.dequantized(compute)
             else:  # the kernel runs on codes kept for the backward's x_hat (4x smaller than x)
                 act, x_hat_fn = codes, lambda *c: self.scheme.act_from_codes(c)
                 fn = lambda t: run_rows(lambda _: self.scheme.matmul_codes(codes, qw), t,  # noqa: E731
                                         self.bias, self.out_features)
-            y = _STELinear.apply(x2, self.weight, self.bias, fn, x_hat_fn,
-                                 self.dequantized(compute), act)
+                w_hat = lambda: self._dequantize(qw, compute)  # noqa: E731
+            y = _STELinear.apply(x2, self.weight, self.bias, fn, x_hat_fn, w_hat, act, compute)
         return y.reshape(*lead, self.out_features)
 
     def _fake(self, x: Tensor) -> Tensor:  # [M, K] -> [M, N] in x's dtype

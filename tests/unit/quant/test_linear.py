@@ -168,8 +168,10 @@ def test_ste_backward_under_bf16_autocast_multiplies_in_bf16(name):
 def test_int8_gradient_pass_keeps_activation_codes_not_inputs():
     """W8A8 in kernel mode with grad, at rows where the int8 GEMM runs on codes computed
     outside it (16+ on a CPU): the layer keeps the int8 codes and scales of x for the
-    backward, not x (4x smaller), and the gradients are those of x_hat = act_qdq(x) (the
-    same straight-through gradient as the re-quantizing path, bit for bit)."""
+    backward, not x (4x smaller), nor its dequantized weight (made in the backward, one layer
+    at a time, instead of held for every layer through the step), and the gradients are
+    those of x_hat = act_qdq(x) and W_hat (the same straight-through gradient as the
+    re-quantizing path, bit for bit)."""
     from qarl.quant import kernels as K
 
     layer = _layer("w8a8-int8", "kernel")
@@ -184,7 +186,9 @@ def test_int8_gradient_pass_keeps_activation_codes_not_inputs():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = layer(x)
     assert (torch.int8, (40, 256)) in saved and (torch.float32, (40, 256)) not in saved
+    assert (torch.float32, (96, 256)) not in saved and not layer._dequantized
     (y * g).sum().backward()
+    assert not layer._dequantized
     x_hat = layer.scheme.act_qdq(x.detach())
     assert torch.equal(layer.weight.grad, K.learner_mm(g.t(), x_hat))
     assert torch.equal(x.grad, K.learner_mm(g, layer.dequantized()))

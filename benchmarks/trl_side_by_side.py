@@ -77,7 +77,7 @@ def _peak_rss_gb() -> float:
 def qarl_arm(name: str, recipe: str, steps: int, tokens: int | None) -> dict:
     from step_time import PHASES, measure  # benchmarks/ is sys.path[0] when run
 
-    from qarl.native.memory import tune_allocator
+    from qarl.native.memory import huge_pages, tune_allocator
 
     allocator = tune_allocator()  # as qarl train (and step_time.py) do
     with tempfile.TemporaryDirectory() as out:
@@ -85,6 +85,7 @@ def qarl_arm(name: str, recipe: str, steps: int, tokens: int | None) -> dict:
     row = result["arms"][name]
     return {"step": row["step"], "phases": {p: row[p] for p in PHASES},
             "response_length_mean": row["tokens"], "allocator": allocator,
+            "huge_pages": huge_pages(),
             "settings": {"overrides": QARL_ARMS[name], "int8_gemm": result["int8_gemm"]}}
 
 
@@ -258,6 +259,8 @@ def main() -> None:
         parser.error(f"trl is not installed in {sys.prefix}; `make bench-trl` builds .venv-trl "
                      "(or pass --arms qarl,qarl-none)")
     os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")  # nothing is downloaded
+    if args.run_arm in QARL_ARMS:
+        import qarl  # noqa: F401  before torch, as in `qarl train`: huge pages (qarl/native/memory.py)
 
     import torch
 

@@ -71,3 +71,43 @@ def test_prompts_over_the_token_limit_are_counted_at_load(tmp_path, tiny_dir):
     with pytest.raises(UserError, match="no usable rows left.*max_prompt_tokens = 4"):
         prompt_side(load_config("tiny", {**overrides, "task.max_prompt_tokens": 4}),
                     load_tokenizer(tiny_dir))
+
+
+def _loss(model, ids):
+    """A loss through both uses of a tied weight: the lookup and the head."""
+    hidden = model.model.embed_tokens(ids).sum(1)
+    return model.lm_head(hidden).logsumexp(-1).sum()
+
+
+def test_a_tied_embedding_takes_its_rows_and_the_gradient_stays_dense_and_equal(tiny_dir):
+    """Full fine-tuning of a tied model: the lookup's gradient comes as its rows (sparse) and
+    autograd adds them to the head's dense gradient, so the parameter's gradient is dense and
+    equal to the all-dense one (rows repeated within the batch summed in another order: fp32
+    rounding). Off for LoRA (frozen embedding), FSDP, and an untied model."""
+    import torch
+
+    from qarl.config import load_config
+    from qarl.train.setup import sparse_tied_embedding
+
+    config = load_config("tiny")
+    model = load_model(str(tiny_dir))
+    ids = torch.tensor([[1, 5, 5, 9], [5, 2, 7, 1]])
+    _loss(model, ids).backward()
+    dense, model.model.embed_tokens.weight.grad = model.model.embed_tokens.weight.grad, None
+    assert sparse_tied_embedding(model, config)
+    _loss(model, ids).backward()
+    grad = model.model.embed_tokens.weight.grad
+    assert grad.layout == torch.strided and not grad.is_sparse
+    torch.testing.assert_close(grad, dense, rtol=0, atol=1e-6)
+    untouched = torch.ones(grad.shape[0], dtype=torch.bool)
+    untouched[ids.flatten()] = False  # rows no token looked up: the head's gradient, bit for bit
+    assert torch.equal(grad[untouched], dense[untouched])
+
+    fsdp = config.model_copy(update={"dist": config.dist.model_copy(
+        update={"learner_strategy": "fsdp"})})
+    assert not sparse_tied_embedding(model, fsdp) and not model.model.embed_tokens.sparse
+    model.model.embed_tokens.weight.requires_grad_(False)  # LoRA's frozen base
+    assert not sparse_tied_embedding(model, config)
+    untied = load_model(str(tiny_dir))
+    untied.lm_head.weight = nn.Parameter(untied.lm_head.weight.detach().clone())
+    assert not sparse_tied_embedding(untied, config)

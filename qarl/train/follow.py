@@ -37,7 +37,7 @@ from qarl.train.learner import AlignedLearner, Learner
 from qarl.train.logprobs import response_logprobs
 from qarl.train.optim import build_optimizer
 from qarl.train.phases import Experience
-from qarl.train.setup import adapt_learner, quantize_learner, sparse_tied_embedding
+from qarl.train.setup import adapt_learner, quantize_learner
 from qarl.train.update import update_policy
 from qarl.types import RolloutBatch, SamplingParams
 
@@ -170,7 +170,6 @@ def follow(rank: int, world: int, init, config: RunConfig) -> int:
         else:
             model = quantize_learner(load_model(config.model.name, dtype=dtype), config.quant)
             adapt_learner(model, config)  # LoRA: rank 0's adapters arrive with its state
-            sparse_tied_embedding(model, config)  # as rank 0's learner
             optimizers = _optimizers(config)(model)
             share_state(group, model, optimizers)
             replayer = LocalEngine.from_tokenizer(model, load_tokenizer(config.model.name),

@@ -202,19 +202,6 @@ def adapt_learner(learner: CausalLM, config: RunConfig) -> list[str]:
     return lora_names(learner)
 
 
-def sparse_tied_embedding(learner: CausalLM, config: RunConfig) -> bool:
-    """A trained embedding tied to the lm_head takes its lookup's gradient as the looked-up
-    rows (nn.Embedding's `sparse`): autograd adds them to the head's dense gradient of the same
-    weight, so the parameter's gradient stays dense and equal, without the [vocab, hidden]
-    zeros and the extra dense sum of each backward (smollm2-135m: 2 x 113 MB per micro-batch).
-    Not for an untied embedding (its gradient would stay sparse, which AdamW refuses) nor an
-    FSDP learner (sharded parameters take dense gradients). -> whether it is on."""
-    embed = learner.model.embed_tokens
-    embed.sparse = (learner.lm_head.weight is embed.weight and embed.weight.requires_grad
-                    and config.dist.learner_strategy != "fsdp")
-    return embed.sparse
-
-
 def pushes_codes(config: RunConfig) -> bool:
     """The learner pushes QWeights (an aligned learner) to an engine of qarl's own (local, or
     Ray workers of it), which then needs no full-precision copy of its quantized layers (an
@@ -294,7 +281,6 @@ def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | No
                              None if run_dir is None else Path(run_dir) / "vllm_policy")
     quantize_learner(learner, config.quant)
     adapters = adapt_learner(learner, config)  # trains the adapters only, when there are any
-    sparse_tied_embedding(learner, config)
     train = config.train
     optimizers = build_optimizer(learner, train.optimizer, train.lr, train.weight_decay,
                                  tuple(train.betas))

@@ -24,8 +24,7 @@ __version__ = "0.1.0"
 # torch's CPU allocator reads THP_MEM_ALLOC_ENABLE once, at its first allocation, so huge pages
 # for large tensors are asked for here, before any qarl module imports torch (why, what it
 # measures and the opt-outs: qarl/native/memory.py).
-HUGE_PAGES_ASKED = os.environ.get("QARL_MALLOC", "") != "default" and "torch" not in sys.modules
-if HUGE_PAGES_ASKED:
+if os.environ.get("QARL_MALLOC", "") != "default" and "torch" not in sys.modules:
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 _EXPORTS = {

@@ -13,46 +13,39 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-from contextlib import ExitStack
 
-from qarl.config import load_config
+from step_time import measure  # benchmarks/ is sys.path[0] when run
+
 from qarl.native import machine
 from qarl.native.memory import tune_allocator
+
+
+def hold(name: str, policy) -> None:
+    """The "held" arm: each learner layer's backward reads the per-version cached copy."""
+    from qarl.quant.linear import QuantLinear
+
+    def held(qw, dtype, layer):
+        cache = layer._dequantized  # emptied when the layer quantizes its next weight version
+        if dtype not in cache:
+            cache[dtype] = QuantLinear._dequantize(layer, qw, dtype)
+        return cache[dtype]
+
+    if name == "held":
+        for layer in policy.learner.model.modules():
+            if isinstance(layer, QuantLinear):
+                layer._dequantize = lambda qw, dtype, layer=layer: held(qw, dtype, layer)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=7, help="steps per arm, the first a warm-up")
     args = parser.parse_args()
-    from qarl.quant.linear import QuantLinear
-    from qarl.train.setup import open_run
-    from qarl.train.trainer import rl_step
-
     tune_allocator()
-    rows: dict[str, list[dict]] = {"layerwise": [], "held": []}
-    with tempfile.TemporaryDirectory() as out, ExitStack() as stack:
-        runs = []
-        for name in rows:
-            config = load_config("default", {"run.output_dir": out, "run.name": name,
-                                             "run.resume": False, "log.progress": False,
-                                             "eval.size": 8})
-            _, policy, data = stack.enter_context(open_run(config))
-            if name == "held":
-                for layer in policy.learner.model.modules():
-                    if isinstance(layer, QuantLinear):
-                        layer._dequantize = lambda qw, dtype, layer=layer: layer.dequantized(dtype)
-            policy.sync.push()
-            runs.append((name, config, policy, data))
-        for step in range(args.steps):
-            for name, config, policy, data in runs:
-                metrics = rl_step(policy, data, config, step)
-                if step > 0:
-                    rows[name].append({k: metrics[f"time/{k}"] for k in ("update", "generate")})
-    means = {name: {k: round(sum(r[k] for r in rs) / len(rs), 3) for k in rs[0]}
-             | {"update_per_step": [round(r["update"], 2) for r in rs]}
-             for name, rs in rows.items()}
-    print(json.dumps({"arms": means, "steps": args.steps, "machine": machine(),
-                      "unit": "seconds (mean of steps 2..N)"}, indent=1))
+    with tempfile.TemporaryDirectory() as out:
+        result = measure("default", [("layerwise", {}), ("held", {})], args.steps, None, out,
+                         prepare=hold)
+    print(json.dumps({**result, "steps": args.steps, "machine": machine(),
+                      "unit": "seconds per step (mean of steps 2..N)"}, indent=1))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import os
 import resource
 import tempfile
 import time
+from collections.abc import Callable
 
 from qarl.config import load_config, parse_overrides
 from qarl.native import machine
@@ -38,7 +39,9 @@ def _arm(text: str) -> tuple[str, dict]:
 
 
 def measure(recipe: str, arms: list[tuple[str, dict]], steps: int, tokens: int | None,
-            out: str) -> dict:
+            out: str, prepare: Callable[[str, object], None] | None = None) -> dict:
+    """`prepare(name, policy)`, where given, alters each arm's built policy before its first
+    push (a variant no recipe key expresses: benchmarks/backward_dequant.py)."""
     from contextlib import ExitStack
 
     from qarl.quant import SCHEMES
@@ -55,6 +58,8 @@ def measure(recipe: str, arms: list[tuple[str, dict]], steps: int, tokens: int |
         for name, overrides in arms:
             config = load_config(recipe, {**common, "run.name": name, **overrides})
             _, policy, data = stack.enter_context(open_run(config))
+            if prepare is not None:
+                prepare(name, policy)
             policy.sync.push()
             runs.append((name, config, policy, data))
         for step in range(steps):

@@ -203,19 +203,15 @@ class QuantLinear(nn.Module):
         """The dequantized weight (fp32), or its copy in `dtype`, cached per weight version."""
         qw = self.qweight()
         if dtype not in self._dequantized:
-            with torch.inference_mode(False), torch.no_grad():
-                full = self._dequantized.get(torch.float32)
-                full = self.scheme.dequantize(qw) if full is None else full
-                self._dequantized[dtype] = full.to(dtype)
+            self._dequantized[dtype] = self._dequantize(qw, dtype)
         return self._dequantized[dtype]
 
     def _dequantize(self, qw: QWeight, dtype: torch.dtype) -> Tensor:  # [N, K], not cached
-        """`qw` dequantized in `dtype`: the cached copy where the forward made one, else anew
-        (the backward of a layer whose forward ran on codes)."""
-        if dtype in self._dequantized and qw is self._qweight:
-            return self._dequantized[dtype]
+        """`qw` dequantized in `dtype`: from the cached fp32 copy where there is one for it,
+        else anew (the backward of a layer whose forward ran on codes keeps no copy)."""
         with torch.inference_mode(False), torch.no_grad():
-            return self.scheme.dequantize(qw).to(dtype)
+            full = self._dequantized.get(torch.float32) if qw is self._qweight else None
+            return (self.scheme.dequantize(qw) if full is None else full).to(dtype)
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., in] -> [..., out]
         qw = self.qweight()

@@ -37,12 +37,12 @@ from qarl.quant.kernels import batch_invariant_linear
 from qarl.quant.linear import QuantLinear
 
 LORA_PARAMS = ("lora_A", "lora_B")
+INITS = ("default", "gaussian", "zeros")  # zeros: an engine copy's, until the first push
 
 
 def default_alpha(rank: int) -> float:
     """lora.alpha when a recipe leaves it out: 2 x rank (scale 2)."""
     return 2.0 * rank
-INITS = ("default", "gaussian", "zeros")  # zeros: an engine copy's, until the first push
 
 
 class LoraLayer:

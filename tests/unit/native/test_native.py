@@ -363,16 +363,22 @@ def test_rms_norm_and_silu_mul_match_pytorch_and_are_row_exact():
         _rows_alone_equal(nat.silu_mul, gate_up[:, 0], nat.silu_mul(gate_up[:, 0]))
 
 
-def _allocator_in_child(env: dict[str, str]) -> str:
-    code = ("from qarl.native.memory import allocator, tune_allocator\n"
-            "before = allocator(); first = tune_allocator(); again = tune_allocator()\n"
-            "assert before == 'untouched' and again == first, (before, first, again)\n"
-            "print(first)")
-    env = {k: v for k, v in os.environ.items() if k not in ("QARL_MALLOC", "GLIBC_TUNABLES")} | env
+def _child(code: str, env: dict[str, str]) -> str:
+    """`code`'s stdout in a fresh interpreter: allocator settings are process state a test must
+    not leave behind, and torch reads THP_MEM_ALLOC_ENABLE once."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("QARL_MALLOC", "GLIBC_TUNABLES", "THP_MEM_ALLOC_ENABLE")} | env
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=60)
+                          timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
+
+
+def _allocator_in_child(env: dict[str, str]) -> str:
+    return _child("from qarl.native.memory import allocator, tune_allocator\n"
+                  "before = allocator(); first = tune_allocator(); again = tune_allocator()\n"
+                  "assert before == 'untouched' and again == first, (before, first, again)\n"
+                  "print(first)", env)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
@@ -382,15 +388,6 @@ def test_allocator_tuned_once_per_process_and_opt_outs_respected():
     assert _allocator_in_child({"QARL_MALLOC": "default"}) == "glibc default (QARL_MALLOC=default)"
     tunables = {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1048576"}
     assert _allocator_in_child(tunables) == "as GLIBC_TUNABLES sets it"
-
-
-def _child(code: str, env: dict[str, str]) -> str:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("QARL_MALLOC", "GLIBC_TUNABLES", "THP_MEM_ALLOC_ENABLE")} | env
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
 
 
 # 3 x 400 MB freed at the heap's top: more than the 1 GiB trim threshold this module set

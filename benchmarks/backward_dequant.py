@@ -6,6 +6,7 @@ does), "layerwise" (qarl's behaviour) and "held" (each layer's backward reads th
 cached per weight version, as before 42b8f1b).
 
     .venv/bin/python benchmarks/backward_dequant.py --steps 7
+    .venv/bin/python benchmarks/backward_dequant.py --steps 7 --first held   # the other order
 """
 
 from __future__ import annotations
@@ -39,11 +40,14 @@ def hold(name: str, policy) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=7, help="steps per arm, the first a warm-up")
+    parser.add_argument("--first", choices=("layerwise", "held"), default="layerwise",
+                        help="the arm that steps first in each round (the ratios are against it)")
     args = parser.parse_args()
     tune_allocator()
+    arms = [("layerwise", {}), ("held", {})]
     with tempfile.TemporaryDirectory() as out:
-        result = measure("default", [("layerwise", {}), ("held", {})], args.steps, None, out,
-                         prepare=hold)
+        result = measure("default", arms if args.first == "layerwise" else arms[::-1],
+                         args.steps, None, out, prepare=hold)
     print(json.dumps({**result, "steps": args.steps, "machine": machine(),
                       "unit": "seconds per step (mean of steps 2..N)"}, indent=1))
 

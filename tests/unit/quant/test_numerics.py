@@ -95,6 +95,16 @@ def test_int8_codes_and_zero_rows():
     assert torch.equal(codes[3], torch.zeros(64, dtype=torch.int8))
 
 
+def test_int8_dequantize_is_codes_times_scales():
+    """The one-pass int8 dequantization gives the bits of codes.float() * scales: the weight
+    the fake forward, the backward's dL/dx and the exported checkpoint all read."""
+    scheme = make_scheme("w8a8-int8")
+    qw = scheme.quantize(torch.randn(96, 256, generator=torch.Generator().manual_seed(5)) * 3)
+    w_hat = scheme.dequantize(qw)
+    assert w_hat.dtype == torch.float32
+    assert torch.equal(w_hat, qw.codes.float() * qw.scales[:, None])
+
+
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_qweight_tensor_round_trip_is_exact(name, tmp_path):
     """QWeight -> tensors -> safetensors file -> from_tensors -> dequantize is bit-exact."""

@@ -83,6 +83,9 @@ class EngineWorker:
     def weight_digests(self) -> list[dict[str, tuple[int, ...]]]:
         return self.engine.weight_digests()
 
+    def release_caches(self) -> None:
+        self.engine.release_caches()
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -162,6 +165,10 @@ class RayEngines:
         not weights), in actor order."""
         per_actor = self._run([(k, "weight_digests", ()) for k in range(len(self.workers))])
         return [d for digests in per_actor for d in digests]
+
+    def release_caches(self) -> None:
+        """`Engine.release_caches` in every actor."""
+        self._run([(k, "release_caches", ()) for k in range(len(self.workers))])
 
     def close(self) -> None:
         """End the actors (their CPUs / GPUs go back to the cluster)."""

@@ -132,6 +132,13 @@ class LocalEngine:
         """`Engine.weight_digests`: of the model the decode plan packs its weights from."""
         return [engine_digests(self.model)]
 
+    def release_caches(self) -> None:
+        """`Engine.release_caches`: drop the decode plan's packs (packed panels, row-stacked
+        codes, the packed lm_head: 0.36 GB for smollm2-135m in W8A8). A pack is rebuilt
+        whenever the weights it was built from change, so between a step's rollouts and the
+        push of the updated weights it is never read again."""
+        self._planner.clear()
+
     def close(self) -> None:
         """Nothing to release: the engine lives in this process."""
 

@@ -90,6 +90,10 @@ class DecodePlanner:
         self._packs = packs  # modules no longer packable (e.g. quantized since) are dropped
         return _assemble(model, {module: pack for module, (_, pack) in packs.items()})
 
+    def clear(self) -> None:
+        """Drop every pack: the next plan builds them from the weights it finds."""
+        self._packs = {}
+
     def paths(self, model: CausalLM) -> dict[str, str]:
         """Module name -> what the next plan runs for it, without keeping any pack built here
         (so asking never changes later outputs)."""

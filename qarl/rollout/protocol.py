@@ -95,6 +95,14 @@ class Engine(Protocol):
         them with the learner's after every push (the quantization contract)."""
         ...
 
+    def release_caches(self) -> None:
+        """Free what the engine built for its current weights to run them faster (the local
+        engine's packed layouts): the trainer calls it after a step's rollouts, before the
+        update that changes those weights, so the update's peak memory does not hold them.
+        The next generate / score builds what it needs again, for whatever weights it has
+        then; no output changes."""
+        ...
+
     def close(self) -> None:
         """Release what the engine holds outside this object (actors, processes); a no-op
         for an engine that holds none. The engine is not used after."""

@@ -269,6 +269,10 @@ class VLLMEngine:
                             -1 if same_scales is False else scales, *rest)
         return [digests]
 
+    def release_caches(self) -> None:
+        """Nothing is rebuilt per weight version outside vLLM's own weights, which the next
+        load_weights overwrites in place."""
+
     def close(self) -> None:
         """vLLM runs in this process: it goes with the engine object."""
 

@@ -70,6 +70,10 @@ class FsdpLearner:
         self.sharded.publish(self.whole)  # rank 0 receives the stepped shards, the others send
         return metrics
 
+    def release_caches(self) -> None:
+        if self.replayer is not None:
+            self.replayer.release_caches()
+
     def _exact(self, exp: Experience) -> Tensor:
         """A later epoch's replay: rank 0 on its whole learner (the shards gathered first),
         broadcast to every rank."""
@@ -106,6 +110,9 @@ class LeadLearner:
                step: int) -> dict[str, float]:
         self.group.broadcast(("update", exp, step))
         return self.inner.update(exp, algo, train, step)
+
+    def release_caches(self) -> None:
+        self.inner.release_caches()
 
     @contextlib.contextmanager
     def whole_optimizer_state(self) -> Iterator[None]:

@@ -59,6 +59,10 @@ class Learner(Protocol):
     def whole_optimizer_state(self) -> contextlib.AbstractContextManager[None]:
         ...
 
+    def release_caches(self) -> None:
+        """Free what `replay` built for the current weights (`Engine.release_caches`)."""
+        ...
+
 
 class AlignedLearner:
     """The learner of one process (or one replicated rank, with its `group`): master weights
@@ -85,6 +89,9 @@ class AlignedLearner:
         return update_policy(self.model, self.optimizers, self.group,
                              lambda e: self.replay(e.batch, e.sampling)[0], exp, algo, train,
                              step, self.routing_replay)
+
+    def release_caches(self) -> None:
+        self.replayer.release_caches()
 
     @contextlib.contextmanager
     def whole_optimizer_state(self) -> Iterator[None]:

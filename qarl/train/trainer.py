@@ -69,6 +69,9 @@ def rl_step(policy: Policy, data: Data, config: RunConfig, step: int) -> dict[st
     samples = sample_metrics(data.task, exp, completions)
     budget = policy.contract.check_step(samples, step)  # OverBudget: stop before the update
     check_stop()
+    # the packs of the weights the update replaces are never read again: not in its peak
+    policy.engine.release_caches()
+    policy.learner.release_caches()
     with timer("update"):
         update = policy.learner.update(exp, config.algo, config.train, step)
     with timer("sync"):

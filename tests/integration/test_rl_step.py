@@ -48,6 +48,27 @@ def test_step_pushes_the_updated_learner_to_the_engine(tmp_path):
     assert [k.split("/", 1)[1] for k in metrics if k.startswith("time/")] == PHASES
 
 
+def test_the_update_runs_without_the_rollouts_packs(tmp_path):
+    """The engine and the learner's replayer hold no packs while the update runs (the weights
+    they were built from are about to change): the update's peak memory does not hold them.
+    The step still replays exactly."""
+    config = _config(tmp_path)
+    with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
+        held = []
+        update = policy.learner.update
+
+        def recording_update(*args):
+            held.append((len(policy.engine._planner._packs),
+                         len(policy.learner.replayer._planner._packs)))
+            return update(*args)
+
+        policy.learner.update = recording_update
+        metrics = rl_step(policy, data, config, step=STEP)
+        assert policy.engine._planner._packs == {}  # nothing generated since the release
+    assert held == [(0, 0)]
+    assert metrics["mismatch/abs_diff_max"] == 0.0
+
+
 def _replayed_rows(tmp_path, **extra) -> tuple[list[int], dict[str, float]]:
     """The number of rows of each replay of step STEP, and its metrics."""
     config = _config(tmp_path, **extra)

@@ -204,6 +204,25 @@ def test_fused_quantized_block_follows_pushed_weights(make_model):
     assert not torch.equal(before, after)
     assert torch.equal(after, reference)
 
+@pytest.mark.parametrize("scheme", [None, "w8a8-int8"])
+def test_released_packs_are_rebuilt_to_the_same_bits(make_model, scheme):
+    """release_caches drops every pack the engine built (the fused blocks' and the lm_head's),
+    and the next generate builds them again: the same tokens and logprobs bit for bit as
+    without the release."""
+    from qarl.quant import quantize_model
+
+    model = make_model() if scheme is None else quantize_model(make_model(), scheme, mode="kernel")
+    engine = LocalEngine(model, eos_token_ids=())
+    first = engine.generate(PROMPTS, SHORT, seed=3)
+    assert engine._planner._packs  # the blocks and the lm_head
+    engine.release_caches()
+    assert engine._planner._packs == {}
+    again = engine.generate(PROMPTS, SHORT, seed=3)
+    assert engine._planner._packs
+    assert torch.equal(again.response_ids, first.response_ids)
+    assert torch.equal(again.rollout_logp, first.rollout_logp)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("scheme", [None, "none", "w8a8-int8", "w4a16-int4", "w4a8-int"])
 def test_one_call_native_block_equals_the_step_by_step_block(make_model, family, scheme,

@@ -13,8 +13,11 @@ so with x_hat = act_qdq(x) and W_hat = dequantize(quantize(W)):
     dL/dx = g W_hat,   dL/dW = g^T x_hat,   dL/db = sum_rows g
 i.e. the gradient of F.linear(x_hat, W_hat) w.r.t. W_hat lands on the master weight W.
 Where the kernel runs on activation codes computed outside it (`Scheme.act_codes`: W8A8 at
-16+ rows), the layer keeps those codes instead of x and builds x_hat from them: the same
-x_hat, without a second quantization, in a quarter of the memory.
+16+ rows through torch._int_mm, i.e. CUDA and CPUs with VNNI or AMX-INT8), the layer keeps
+those codes instead of x and builds x_hat from them: the same x_hat, without a second
+quantization, in a quarter of the memory; where qarl.native's kernel quantizes inside (an
+AVX2-only CPU) it keeps x. Either way a layer whose gradient forward runs the kernel never
+reads W_hat there and holds none: its backward makes it, one layer at a time.
 
 Weights are quantized once per weight version: the cache key is (data_ptr, _version) of the
 master weight, which every in-place optimizer update, `copy_` or `.to()` changes. Decoding
@@ -232,16 +235,18 @@ class QuantLinear(nn.Module):
             device = x.device.type  # autocast exists for cpu / cuda / ..., not for meta
             compute = (torch.get_autocast_dtype(device) if torch.amp.is_autocast_available(device)
                        and torch.is_autocast_enabled(device) else torch.float32)
-            codes = self.scheme.act_codes(x2.detach().float()) if self.mode == "kernel" \
-                and self.scheme.kernel_for_gradients(x.device) else None
-            if codes is None:  # the forward reads the dequantized weight: cached per version
+            on_kernel = self.mode == "kernel" and self.scheme.kernel_for_gradients(x.device)
+            codes = self.scheme.act_codes(x2.detach().float()) if on_kernel else None
+            if codes is None:  # x itself (often the tensor the layer beside keeps too)
                 act, x_hat_fn = (x2,), lambda t: self.scheme.act_qdq(t.float())
-                w_hat = self.dequantized(compute)
             else:  # the kernel runs on codes kept for the backward's x_hat (4x smaller than x)
                 act, x_hat_fn = codes, lambda *c: self.scheme.act_from_codes(c)
                 fn = lambda t: run_rows(lambda _: self.scheme.matmul_codes(codes, qw), t,  # noqa: E731
                                         self.bias, self.out_features)
+            if on_kernel:  # the forward never reads W_hat: the backward makes it, one layer at a time
                 w_hat = lambda: self._dequantize(qw, compute)  # noqa: E731
+            else:  # the forward reads the dequantized weight: cached per version
+                w_hat = self.dequantized(compute)
             y = _STELinear.apply(x2, self.weight, self.bias, fn, x_hat_fn, w_hat, act, compute)
         return y.reshape(*lead, self.out_features)
 

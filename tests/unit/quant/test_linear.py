@@ -165,16 +165,22 @@ def test_ste_backward_under_bf16_autocast_multiplies_in_bf16(name):
     assert (xs[1].grad - xs[0].grad).abs().max() <= 3e-2 * xs[0].grad.abs().max()
 
 
-def test_int8_gradient_pass_keeps_activation_codes_not_inputs():
-    """W8A8 in kernel mode with grad, at rows where the int8 GEMM runs on codes computed
-    outside it (16+ on a CPU): the layer keeps the int8 codes and scales of x for the
-    backward, not x (4x smaller), nor its dequantized weight (made in the backward, one layer
-    at a time, instead of held for every layer through the step), and the gradients are
-    those of x_hat = act_qdq(x) and W_hat (the same straight-through gradient as the
-    re-quantizing path, bit for bit)."""
+@pytest.mark.parametrize("gemm", ["auto", "int_mm", "native"])
+def test_int8_gradient_pass_keeps_no_dequantized_weight(gemm):
+    """W8A8 in kernel mode with grad: where the int8 GEMM runs on codes computed outside it
+    (torch._int_mm at 16+ rows: a CPU with VNNI or AMX-INT8) the layer keeps the int8 codes
+    and scales of x for the backward, not x (4x smaller); where qarl.native's kernel
+    quantizes inside (an AVX2-only CPU) it keeps x. On every path it keeps no dequantized
+    weight (made in the backward, one layer at a time, instead of held for every layer
+    through the step), and the gradients are those of x_hat = act_qdq(x) and W_hat (the same
+    straight-through gradient as the re-quantizing path, bit for bit)."""
     from qarl.quant import kernels as K
+    from qarl.quant.schemes import Int8Scheme
 
-    layer = _layer("w8a8-int8", "kernel")
+    if gemm == "native" and not K.native_ok(torch.device("cpu")):
+        pytest.skip("qarl.native is not built here")
+    torch.manual_seed(0)
+    layer = QuantLinear.from_linear(nn.Linear(256, 96), Int8Scheme(gemm=gemm), "kernel")
     x = torch.randn(40, 256, requires_grad=True)
     g = torch.randn(40, 96)
     saved = []
@@ -185,7 +191,11 @@ def test_int8_gradient_pass_keeps_activation_codes_not_inputs():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = layer(x)
-    assert (torch.int8, (40, 256)) in saved and (torch.float32, (40, 256)) not in saved
+    if layer.scheme.act_codes(x.detach()) is not None:
+        assert (torch.int8, (40, 256)) in saved and (torch.float32, (40, 256)) not in saved
+    else:
+        assert layer.scheme.method(x.device) == "native"
+        assert saved.count((torch.float32, (40, 256))) == 1 and torch.int8 not in dict(saved)
     assert (torch.float32, (96, 256)) not in saved and not layer._dequantized
     (y * g).sum().backward()
     assert not layer._dequantized

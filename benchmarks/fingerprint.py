@@ -20,12 +20,13 @@ import json
 import tempfile
 from pathlib import Path
 
-TIMED = ("time/", "speed/", "sync/seconds")
+TIMED = ("time/", "speed/")  # and every */seconds key (sync/seconds, contract/seconds, ...)
 
 
 def _untimed(record: dict) -> dict:
     return {k: v for k, v in record.items()
-            if not k.startswith(TIMED) and k not in ("time", "wall", "elapsed_s")}
+            if not k.startswith(TIMED) and not k.endswith("/seconds")
+            and k not in ("time", "wall", "elapsed_s")}
 
 
 def fingerprint(steps: int, seed: int, overrides: list[str]) -> dict:

@@ -274,7 +274,15 @@ class VLLMEngine:
         load_weights overwrites in place."""
 
     def close(self) -> None:
-        """vLLM runs in this process: it goes with the engine object."""
+        """Shut vLLM down now (idempotent). Its distributed state (the model-parallel groups)
+        is process-wide, and vLLM tears it down when an in-process engine is garbage
+        collected, which can be long after the engine was dropped (vLLM freezes the heap at
+        every engine start): left to the collector, an old engine's teardown can come while
+        a newer one runs and take that one's groups with it. Close an engine before starting
+        another in the same process."""
+        client = getattr(getattr(getattr(self, "llm", None), "llm_engine", None), "engine_core", None)
+        if client is not None:
+            client.shutdown()  # vLLM's client runs its finalizer once: a second call is a no-op
 
     def describe(self) -> dict[str, str]:
         """"vllm": the dtype vLLM computes in and why; per vLLM module with weights: its class

@@ -98,6 +98,7 @@ def int8(request, tokenizer, tmp_path_factory):
     16-bit path every CPU can run; what auto picks on an AMX CPU)."""
     engines = _pair("w8a8-int8", tokenizer, tmp_path_factory, request.param)
     yield engines
+    engines[0].close()  # before the next module's vLLM engine starts (VLLMEngine.close)
     del engines
     gc.collect()
 
@@ -106,6 +107,7 @@ def int8(request, tokenizer, tmp_path_factory):
 def fp32(tokenizer, tmp_path_factory):
     engines = _pair("none", tokenizer, tmp_path_factory)
     yield engines
+    engines[0].close()
     del engines
     gc.collect()
 

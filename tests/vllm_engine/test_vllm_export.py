@@ -75,7 +75,8 @@ def int8_export(tmp_path_factory):
     dtype = resolve_dtype("auto", "float32", bool(int8_layers_needing_16bit(ours)))
     llm = vllm.LLM(model=str(out), enforce_eager=True, dtype=dtype, max_model_len=256,
                    kv_cache_memory_bytes=64 << 20)
-    return llm, ours, dtype
+    yield llm, ours, dtype
+    llm.llm_engine.engine_core.shutdown()  # now, not when collected (VLLMEngine.close)
 
 
 # What vLLM's int8 layers may differ from the exact products of their own activation codes

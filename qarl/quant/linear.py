@@ -243,10 +243,10 @@ class QuantLinear(nn.Module):
                 act, x_hat_fn = codes, lambda *c: self.scheme.act_from_codes(c)
                 fn = lambda t: run_rows(lambda _: self.scheme.matmul_codes(codes, qw), t,  # noqa: E731
                                         self.bias, self.out_features)
-            if on_kernel:  # the forward never reads W_hat: the backward makes it, one layer at a time
-                w_hat = lambda: self._dequantize(qw, compute)  # noqa: E731
-            else:  # the forward reads the dequantized weight: cached per version
-                w_hat = self.dequantized(compute)
+            # on the kernel the forward never reads W_hat: the backward makes it, one layer at a
+            # time; the fake forward reads it, cached per weight version
+            w_hat = ((lambda: self._dequantize(qw, compute)) if on_kernel
+                     else self.dequantized(compute))
             y = _STELinear.apply(x2, self.weight, self.bias, fn, x_hat_fn, w_hat, act, compute)
         return y.reshape(*lead, self.out_features)
 

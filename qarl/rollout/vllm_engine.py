@@ -75,7 +75,7 @@ from qarl.rollout.sampling import row_seed
 from qarl.rollout.vllm_support import FLOAT32_ON_AMX, KERNEL_AMX, int8_gemm_saturates, resolve_dtype
 from qarl.rollout.vllm_weights import (
     INT8_METHODS, default_dtype, install_checkpoint_tensors, int8_layers_needing_16bit,
-    int8_method, int8_readback, quiet_vllm_reload, served_model, take_layer,
+    int8_method, int8_readback, quiet_vllm_reload, served_model, shutdown_llm, take_layer,
     write_policy_folder,
 )
 from qarl.types import FINISH_LENGTH, FINISH_STOP, RolloutBatch, SamplingParams
@@ -280,9 +280,7 @@ class VLLMEngine:
         every engine start): left to the collector, an old engine's teardown can come while
         a newer one runs and take that one's groups with it. Close an engine before starting
         another in the same process."""
-        client = getattr(getattr(getattr(self, "llm", None), "llm_engine", None), "engine_core", None)
-        if client is not None:
-            client.shutdown()  # vLLM's client runs its finalizer once: a second call is a no-op
+        shutdown_llm(self.llm)
 
     def describe(self) -> dict[str, str]:
         """"vllm": the dtype vLLM computes in and why; per vLLM module with weights: its class

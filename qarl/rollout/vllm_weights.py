@@ -132,6 +132,14 @@ def served_model(llm) -> torch.nn.Module:
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
 
 
+def shutdown_llm(llm) -> None:
+    """Shut down a `vllm.LLM` running in this process now, not when the garbage collector takes
+    it: vLLM's teardown destroys its process-wide model-parallel groups, which by then may be
+    a newer engine's (VLLMEngine.close). A second call is a no-op (vLLM's client runs its
+    finalizer once)."""
+    llm.llm_engine.engine_core.shutdown()
+
+
 def int8_layer_io(llm, prompts: list[list[int]]) -> dict[str, tuple[Tensor, Tensor]]:
     """(input, output), float32, of every int8 layer vLLM serves (fused names) on one prefill
     of `prompts`."""

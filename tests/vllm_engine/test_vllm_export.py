@@ -66,7 +66,7 @@ def int8_export(tmp_path_factory):
     vllm = pytest.importorskip("vllm")
     from qarl.quant import quantize_model
     from qarl.rollout.vllm_support import resolve_dtype
-    from qarl.rollout.vllm_weights import int8_layers_needing_16bit
+    from qarl.rollout.vllm_weights import int8_layers_needing_16bit, shutdown_llm
 
     tmp = tmp_path_factory.mktemp("int8-export")
     model = _checkpoint(tmp / "step_000001", "smollm2-135m", "w8a8-int8")
@@ -76,7 +76,7 @@ def int8_export(tmp_path_factory):
     llm = vllm.LLM(model=str(out), enforce_eager=True, dtype=dtype, max_model_len=256,
                    kv_cache_memory_bytes=64 << 20)
     yield llm, ours, dtype
-    llm.llm_engine.engine_core.shutdown()  # now, not when collected (VLLMEngine.close)
+    shutdown_llm(llm)  # now, not when collected
 
 
 # What vLLM's int8 layers may differ from the exact products of their own activation codes

@@ -39,13 +39,13 @@ def test_a_closed_engine_collected_later_leaves_the_next_one_running(tmp_path):
     next one starts and collected while that one runs leaves the next one working."""
     import gc
 
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
     from qarl.config import load_config
     from qarl.train.setup import build_engine, sampling_params
 
     config = load_config("tiny", {"run.output_dir": str(tmp_path), "rollout.engine": "vllm",
                                   "quant.align": "fake", "rollout.max_new_tokens": 4})
-    from vllm.distributed.parallel_state import model_parallel_is_initialized
-
     first = build_engine(config, run_dir=tmp_path / "first")
     assert model_parallel_is_initialized()
     first.close()

@@ -92,7 +92,7 @@ def warm_start(config: RunConfig, log=print) -> CausalLM | None:
     folder = qarl_home() / "sft" / sft_key(config)
     dtype = DTYPES[config.model.master_dtype]
     if not (folder / "model.safetensors").exists():
-        with cache_lock(folder):  # two runs of the same warm start: one trains, one waits
+        with cache_lock(folder, check_stop):  # two runs of one warm start: one trains, one waits
             if not (folder / "model.safetensors").exists():
                 shutil.rmtree(folder, ignore_errors=True)  # an older qarl's unfinished folder
                 torch.manual_seed(sft_seed(config))

@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qarl.cli.compare_runs import plan_runs, run_all
+    from qarl.cli.compare_runs import WarmStartFailed, plan_runs, run_all
     from qarl.config import ConfigError, load_arms, parse_overrides
     from qarl.report.compare_files import write_report
 
@@ -64,6 +64,10 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted; the same command resumes (finished runs are kept)", file=sys.stderr)
         return 130
+    except WarmStartFailed as err:
+        print(f"{err}\nno run was started; fix the warm start and run the same command again "
+              "(finished runs are kept)", file=sys.stderr)
+        return 1
     if len(failed) < len(runs):
         paths = write_report(plan.folder)
         print(paths[0].read_text())

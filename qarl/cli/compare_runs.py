@@ -5,6 +5,11 @@ Each run is `python -m qarl.cli train RECIPE <overrides> <arm's overrides> --run
 writes, and a killed run resumes from its checkpoint when started again (run.resume). A run
 with a summary.json is finished and not started again. With `jobs` runs at once, each gets
 cores // jobs threads (OMP_NUM_THREADS, which torch and the native kernels follow).
+
+Before any run starts, the warm starts (`[sft]`) the unfinished runs share and the cache lacks
+are trained by `qarl sft`, as many at once as there are jobs and no more, so a recipe with one
+shared warm start trains it with every core instead of in the first run, on its share of the
+cores, while the other runs wait on the cache lock.
 """
 
 from __future__ import annotations
@@ -62,14 +67,60 @@ def plan_runs(plan: ArmPlan) -> list[ArmRun]:
             for arm, config in plan.configs.items() for seed in plan.seeds]
 
 
+def qarl_command(verb: str, plan: ArmPlan, arm: str, overrides: dict) -> list[str]:
+    """`python -m qarl.cli VERB RECIPE` with the arm's overrides, the command line's, then
+    `overrides`."""
+    merged = {**plan.arm_overrides[arm], **plan.overrides, **overrides}
+    return [sys.executable, "-m", "qarl.cli", verb, str(plan.recipe),
+            *(f"--{key}={toml_value(value)}" for key, value in merged.items())]
+
+
 def train_command(plan: ArmPlan, run: ArmRun) -> list[str]:
     """The `qarl train` command line of one run: the arm's overrides, the command line's,
     then the run's seed and folder."""
-    overrides = {**plan.arm_overrides[run.arm], **plan.overrides,
-                 "run.seed": run.seed, "run.output_dir": str(run.folder.parent),
-                 "run.name": run.folder.name}
-    return [sys.executable, "-m", "qarl.cli", "train", str(plan.recipe),
-            *(f"--{key}={toml_value(value)}" for key, value in overrides.items())]
+    return qarl_command("train", plan, run.arm, {
+        "run.seed": run.seed, "run.output_dir": str(run.folder.parent),
+        "run.name": run.folder.name})
+
+
+@dataclass
+class WarmStart:
+    """One warm-start SFT (`[sft]`) that unfinished runs share and the cache lacks."""
+
+    key: str  # its entry under $QARL_HOME/sft (qarl.train.sft.sft_key)
+    command: list[str]  # `qarl sft` for the first run that needs it
+    log: Path  # FOLDER/warm-start-KEY.log
+    runs: list[ArmRun]  # the runs that start from it
+
+    @property
+    def name(self) -> str:
+        return f"warm start {self.key}"
+
+
+def warm_starts(plan: ArmPlan, runs: list[ArmRun]) -> list[WarmStart]:
+    """The warm starts `runs` need that are not cached yet, in the order the runs come, one
+    per cache entry: a recipe with sft.seed set shares one across all its seeds and arms."""
+    from qarl.paths import qarl_home
+    from qarl.train.sft import sft_key
+
+    needed: dict[str, WarmStart] = {}
+    for run in runs:
+        config = plan.configs[run.arm]
+        if config.sft.steps == 0:
+            continue
+        key = sft_key(config.model_copy(
+            update={"run": config.run.model_copy(update={"seed": run.seed})}))
+        if (qarl_home() / "sft" / key / "model.safetensors").exists():
+            continue
+        if key not in needed:
+            needed[key] = WarmStart(key, qarl_command("sft", plan, run.arm, {"run.seed": run.seed}),
+                                    plan.folder / f"warm-start-{key}.log", [])
+        needed[key].runs.append(run)
+    return list(needed.values())
+
+
+class WarmStartFailed(Exception):
+    """A warm start the runs need ended with an error: no run was started."""
 
 
 def thread_env(jobs: int) -> dict[str, str]:
@@ -88,12 +139,70 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def _pool(jobs: list, at_once: int, start, finish, tick=lambda: None) -> None:
+    """Run every job, `at_once` at a time: `start(job)` returns its process, `finish(job,
+    process, seconds)` is called as each ends, `tick()` after every poll. However it ends
+    (KeyboardInterrupt included), no process it started is left running: all are sent
+    SIGTERM first, then waited for, so a run waiting on another (a shared warm start's lock)
+    is not waited for before the other is told to stop."""
+    pending, running = list(jobs), {}
+    try:
+        while pending or running:
+            while pending and len(running) < at_once:
+                job = pending.pop(0)
+                running[start(job)] = (job, time.monotonic())
+            time.sleep(POLL_S)
+            for process in [p for p in running if p.poll() is not None]:
+                job, started = running.pop(process)
+                finish(job, process, time.monotonic() - started)
+            tick()
+    finally:
+        for process in running:
+            process.terminate()
+        for process in running:
+            process.wait()
+
+
+def _launch(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    """Start `command` with stdout and stderr appended to `log` (the child keeps its own
+    handle on the file)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as handle:
+        return subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
+
+
+def prepare_warm_starts(plan: ArmPlan, runs: list[ArmRun], jobs: int, out: IO) -> None:
+    """Train the warm starts the runs share before any run starts, each with its share of
+    every core (one warm start alone gets them all) rather than inside the first run that
+    needs it, with a run's share of the cores, while the runs waiting on it hold the rest
+    idle. Raises WarmStartFailed, naming each failure and its log."""
+    needed = warm_starts(plan, runs)
+    failures: list[str] = []
+
+    def start(warm: WarmStart) -> subprocess.Popen:
+        print(f"{warm.name} (for {len(warm.runs)} runs): training; log: {warm.log}", file=out)
+        return _launch(warm.command, warm.log, thread_env(min(jobs, len(needed))))
+
+    def finish(warm: WarmStart, process: subprocess.Popen, seconds: float) -> None:
+        if process.returncode == 0:
+            print(f"{warm.name}: done in {seconds:.0f} s", file=out)
+        else:
+            failures.append(f"{warm.name} FAILED (exit status {process.returncode}) after "
+                            f"{seconds:.0f} s: {_last_line(warm.log)}; log: {warm.log}")
+            print(failures[-1], file=out)
+
+    _pool(needed, jobs, start, finish)
+    if failures:
+        raise WarmStartFailed("; ".join(failures))
+
+
 def run_all(plan: ArmPlan, runs: list[ArmRun], jobs: int) -> list[ArmRun]:
-    """Run every unfinished run, `jobs` at a time, with one progress bar (on stderr) over all
-    their training steps and a line per finished or failed run. Returns the failed runs.
+    """Prepare the warm starts the unfinished runs share (`prepare_warm_starts`), then run
+    every unfinished run, `jobs` at a time, with one progress bar (on stderr) over all their
+    training steps and a line per finished or failed run. Returns the failed runs.
 
     Interrupted (Ctrl-C, or SIGTERM, which is turned into the same KeyboardInterrupt), it
-    stops the runs it started before raising, so none is left running without it."""
+    stops the processes it started before raising, so none is left running without it."""
     from tqdm import tqdm
 
     out = sys.stderr
@@ -101,26 +210,15 @@ def run_all(plan: ArmPlan, runs: list[ArmRun], jobs: int) -> list[ArmRun]:
     for run in runs:
         if run not in pending:
             print(f"{run.name}: finished before, not run again ({run.folder})", file=out)
-    env = thread_env(jobs)
-    bar = tqdm(total=sum(run.steps for run in runs), desc="compare", unit="step", file=out,
-               dynamic_ncols=True)
-    running: dict[subprocess.Popen, tuple[ArmRun, float, IO]] = {}
     failed: list[ArmRun] = []
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        while pending or running:
-            while pending and len(running) < jobs:
-                run = pending.pop(0)
-                run.folder.parent.mkdir(parents=True, exist_ok=True)
-                log = run.log.open("a")
-                process = subprocess.Popen(train_command(plan, run), stdout=log,
-                                           stderr=subprocess.STDOUT, env=env)
-                running[process] = (run, time.monotonic(), log)
-            time.sleep(POLL_S)
-            for process in [p for p in running if p.poll() is not None]:
-                run, started, log = running.pop(process)
-                log.close()
-                seconds = time.monotonic() - started
+        prepare_warm_starts(plan, pending, jobs, out)
+        env = thread_env(jobs)
+        with tqdm(total=sum(run.steps for run in runs), desc="compare", unit="step", file=out,
+                  dynamic_ncols=True) as bar:
+
+            def finish(run: ArmRun, process: subprocess.Popen, seconds: float) -> None:
                 if process.returncode == 0:
                     bar.write(f"{run.name}: done in {seconds:.0f} s ({run.folder})", file=out)
                 else:
@@ -128,14 +226,14 @@ def run_all(plan: ArmPlan, runs: list[ArmRun], jobs: int) -> list[ArmRun]:
                     bar.write(f"{run.name}: FAILED (exit status {process.returncode}) after "
                               f"{seconds:.0f} s: {_last_line(run.log)}; log: {run.log}",
                               file=out)
-            done = sum(run.steps if run.finished() else run.steps_done() for run in runs)
-            if done != bar.n:
-                bar.update(done - bar.n)
+
+            def tick() -> None:
+                done = sum(run.steps if run.finished() else run.steps_done() for run in runs)
+                if done != bar.n:
+                    bar.update(done - bar.n)
+
+            _pool(pending, jobs,
+                  lambda run: _launch(train_command(plan, run), run.log, env), finish, tick)
     finally:
         signal.signal(signal.SIGTERM, previous)
-        for process, (run, _, log) in running.items():  # interrupted: stop our own children
-            process.terminate()
-            process.wait()
-            log.close()
-        bar.close()
     return failed

@@ -19,10 +19,25 @@ ARGS = ["compare", "tiny", "--train.steps=2", "--jobs", "2"]
 
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
-    """The comparison folder after `qarl compare tiny --arms naive,qarl` (exit status 0)."""
+    """The comparison folder after `qarl compare tiny --arms naive,qarl` (exit status 0), run
+    on an empty $QARL_HOME, so the warm start the two arms share is trained by compare."""
     out = tmp_path_factory.mktemp("runs")
-    assert main([*ARGS, "--arms", "naive,qarl", f"--run.output_dir={out}"]) == 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("QARL_HOME", str(out / "home"))
+        assert main([*ARGS, "--arms", "naive,qarl", f"--run.output_dir={out}"]) == 0
     return out
+
+
+def test_the_shared_warm_start_is_trained_once_before_the_runs(compared):
+    """Both arms start from one warm start (tiny's follows run.seed; the arms differ only in
+    quantization): trained by `qarl sft` into the cache, logged beside the arms, and loaded,
+    not trained, by each run."""
+    (log,) = (compared / "tiny").glob("warm-start-*.log")
+    key = log.stem.removeprefix("warm-start-")
+    assert (compared / "home" / "sft" / key / "model.safetensors").exists()
+    assert "sft step 30/30" in log.read_text()
+    for arm in ("naive", "qarl"):
+        assert "sft step" not in (compared / "tiny" / arm / "seed0.log").read_text()
 
 
 def test_runs_are_train_runs_and_report_is_their_metrics(compared):
@@ -55,10 +70,11 @@ def test_runs_are_train_runs_and_report_is_their_metrics(compared):
     assert report["arms"]["naive"]["figures"]["abs_diff_max"]["mean"] > 0.0
 
 
-def test_second_compare_keeps_resumes_and_reports_failures(compared, capsys):
+def test_second_compare_keeps_resumes_and_reports_failures(compared, capsys, monkeypatch):
     """Run again: the finished run is not touched (same bytes, same mtimes), the one without
     summary.json completes from its checkpoint, a failing run is reported with its log and
     the others still finish; the exit status is 1."""
+    monkeypatch.setenv("QARL_HOME", str(compared / "home"))  # the warm start is cached there
     folder = compared / "tiny"
     kept = {p: (p.read_bytes(), p.stat().st_mtime_ns)
             for p in (folder / "naive" / "seed0").rglob("*") if p.is_file()}
@@ -70,6 +86,7 @@ def test_second_compare_keeps_resumes_and_reports_failures(compared, capsys):
         code = main([*ARGS, "--arms", "naive,qarl,fp", f"--run.output_dir={compared}"])
     err = capsys.readouterr().err
     assert code == 1
+    assert "warm start" not in err
     assert "naive/seed0: finished before, not run again" in err
     assert "qarl/seed0: done in" in err
     assert "fp/seed0: FAILED (exit status 1)" in err and "another qarl process" in err

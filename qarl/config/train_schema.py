@@ -119,5 +119,6 @@ class SftSection(BaseModel):
     seed: int | None = Field(
         None, ge=0,
         description="Seed of the warm start's data order; default: run.seed. Set, every seed "
-        "of a comparison starts RL from the same warm-started model (trained once, cached).",
+        "of a comparison starts RL from the same warm-started model (trained once, with every "
+        "core, before its runs start; cached).",
     )

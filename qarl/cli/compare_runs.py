@@ -100,18 +100,18 @@ class WarmStart:
 def warm_starts(plan: ArmPlan, runs: list[ArmRun]) -> list[WarmStart]:
     """The warm starts `runs` need that are not cached yet, in the order the runs come, one
     per cache entry: a recipe with sft.seed set shares one across all its seeds and arms."""
-    from qarl.paths import qarl_home
-    from qarl.train.sft import sft_key
+    from qarl.train.sft import sft_folder
 
     needed: dict[str, WarmStart] = {}
     for run in runs:
         config = plan.configs[run.arm]
         if config.sft.steps == 0:
             continue
-        key = sft_key(config.model_copy(
+        folder = sft_folder(config.model_copy(
             update={"run": config.run.model_copy(update={"seed": run.seed})}))
-        if (qarl_home() / "sft" / key / "model.safetensors").exists():
+        if (folder / "model.safetensors").exists():
             continue
+        key = folder.name
         if key not in needed:
             needed[key] = WarmStart(key, qarl_command("sft", plan, run.arm, {"run.seed": run.seed}),
                                     plan.folder / f"warm-start-{key}.log", [])

@@ -16,8 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from qarl.config import load_config
     from qarl.native.memory import tune_allocator
-    from qarl.paths import qarl_home
-    from qarl.train.sft import sft_key, warm_start
+    from qarl.train.sft import sft_folder, warm_start
 
     config = load_config(args.recipe, args.overrides)
     if config.sft.steps == 0:
@@ -25,5 +24,5 @@ def run(args: argparse.Namespace) -> int:
         return 1
     tune_allocator()  # as qarl train does
     warm_start(config)
-    print(qarl_home() / "sft" / sft_key(config))
+    print(sft_folder(config))
     return 0

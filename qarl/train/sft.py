@@ -42,6 +42,12 @@ def sft_key(config: RunConfig) -> str:
     return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def sft_folder(config: RunConfig) -> Path:
+    """The warm start's cache entry, `$QARL_HOME/sft/<sft_key>`: ready once it holds
+    model.safetensors."""
+    return qarl_home() / "sft" / sft_key(config)
+
+
 def teacher_batch(encoder, examples, tokenizer, end_id: int) -> RolloutBatch:
     """Prompt ids (templated by `encoder`, a PromptEncoder; left-padded as the engine pads)
     + reference completion ids + end token (right-padded), as a RolloutBatch."""
@@ -89,7 +95,7 @@ def warm_start(config: RunConfig, log=print) -> CausalLM | None:
     """The warm-started model (cached), or None when the recipe has no SFT steps."""
     if config.sft.steps == 0:
         return None
-    folder = qarl_home() / "sft" / sft_key(config)
+    folder = sft_folder(config)
     dtype = DTYPES[config.model.master_dtype]
     if not (folder / "model.safetensors").exists():
         with cache_lock(folder, check_stop):  # two runs of one warm start: one trains, one waits

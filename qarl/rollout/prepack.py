@@ -21,6 +21,12 @@ What is packed (`qarl.rollout.plan` decides which path each layer runs):
   identically). Where all four GEMMs are qarl.native kernels (fp32 panels, or a format's
   `Scheme.native_operand`) and the norms are stock, the packs also hold the whole block as
   one native call for decode steps (`qarl.native.DecodeBlock`).
+- A block whose seven projections are fake-mode `QuantLinear`s of one scheme (a `fake`
+  learner's, replaying) gets packs whose GEMMs are its layers' own: the activation quantizer
+  once per shared input, then `F.linear` on each layer's cached dequantized weight
+  (`_fake_pack`: each layer's outputs bit for bit, no weight copied); what the fused block
+  changes is the rest (qarl.native's RMSNorm, SwiGLU and one-call decode attention in place
+  of ~25 PyTorch ops and SDPA), to fp32 rounding. Measured in docs/benchmarks.md.
 - `linear_source`: any other plain fp32 CPU `nn.Linear` (lm_head, the linears of blocks that
   are partly quantized or customized) gets its own packed weight.
 
@@ -41,6 +47,7 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qarl import native
@@ -93,8 +100,9 @@ def linear_source(linear: nn.Linear, batch_hint: int) -> tuple[tuple | None, Cal
 
 def block_source(module: nn.Module, batch_hint: int) -> tuple[tuple | None, Callable] | None:
     """(key, build) of a fusable block's `BlockPacks`; None when `module` is not one (not a
-    stock Block, patched or hooked, or its projections neither all plain fp32 nor all
-    stackable QuantLinears of one scheme). A key of None means: always rebuild."""
+    stock Block, patched or hooked, or its projections neither all plain fp32, nor all
+    stackable QuantLinears of one scheme, nor all fake-mode QuantLinears of one scheme). A key
+    of None means: always rebuild."""
     if not _stock_block(module):
         return None
     linears = block_linears(module)
@@ -103,8 +111,9 @@ def block_source(module: nn.Module, batch_hint: int) -> tuple[tuple | None, Call
         return None
     if all(packable(lin) for lin in linears):
         return _version_key(_block_sources(module)), partial(_pack_block, module, batch_hint)
-    if all(_stackable(lin) for lin in linears) and len({lin.scheme for lin in linears}) == 1:
-        return _quant_sources(module), partial(_pack_quant_block, module)
+    for kind, pack in ((_stackable, _pack_quant_block), (_fake_layer, _pack_fake_block)):
+        if all(kind(lin) for lin in linears) and len({lin.scheme for lin in linears}) == 1:
+            return _quant_sources(module), partial(pack, module)
     return None
 
 
@@ -118,6 +127,15 @@ def _stackable(module: nn.Module) -> bool:
     return (
         type(module) is QuantLinear and module.mode == "kernel"
         and module.weight.device.type == "cpu" and module.scheme.row_separable
+        and "forward" not in module.__dict__
+    )
+
+
+def _fake_layer(module: nn.Module) -> bool:
+    """A CPU QuantLinear in fake mode on an fp32 master weight (a `fake` learner's layer)."""
+    return (
+        type(module) is QuantLinear and module.mode == "fake" and not module.released
+        and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32
         and "forward" not in module.__dict__
     )
 
@@ -211,6 +229,31 @@ def _pack_quant_block(block: Block) -> BlockPacks:
                       native=_native_block(block, qkv[2], o[2], gate_up[2], down[2]),
                       native_below=min(below, default=None),
                       gemm_path="; ".join(dict.fromkeys(paths)))
+
+
+def _fake_pack(stack: list[QuantLinear]) -> QuantPack:
+    """Fake-mode layers that share an input, as one call: the scheme's activation quantizer
+    once (row-wise, so the same rows each layer quantizes), then `F.linear` on each layer's own
+    dequantized weight (cached per weight version, not copied), outputs side by side: each
+    column block is that layer's `QuantLinear._fake` GEMM on the same operands, bit for bit."""
+    act_qdq, weights = stack[0].scheme.act_qdq, [lin.dequantized() for lin in stack]
+
+    def run(rows: Tensor) -> Tensor:  # [M, K] -> [M, sum of out]
+        x = act_qdq(rows)
+        outs = [F.linear(x, w) for w in weights]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    return QuantPack(run, sum(w.shape[0] for w in weights))
+
+
+def _pack_fake_block(block: Block) -> BlockPacks:
+    """A fake-mode block's packs: its GEMMs are its layers' own (`_fake_pack`); the norms,
+    attention and SwiGLU those of the fused block (qarl.native's where they run)."""
+    (qkv_stack, gate_up_stack), a, m = _stacks(block), block.self_attn, block.mlp
+    return BlockPacks(qkv=_fake_pack(qkv_stack), qkv_bias=_stacked_bias(qkv_stack),
+                      o=_fake_pack([a.o_proj]), gate_up=_fake_pack(gate_up_stack),
+                      gate_up_bias=_stacked_bias(gate_up_stack), down=_fake_pack([m.down_proj]),
+                      native=None, gemm_path=a.q_proj.kernel_path())
 
 
 def _pack_block(block: Block, batch_hint: int) -> BlockPacks:

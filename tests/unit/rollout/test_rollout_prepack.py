@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from qarl.rollout import LocalEngine
+from qarl.rollout.fused import linear as fused_linear
 from qarl.rollout.plan import DecodePlanner
 from qarl.rollout.prepack import prepack_available
 from qarl.types import SamplingParams
@@ -257,3 +258,55 @@ def test_one_call_native_block_equals_the_step_by_step_block(make_model, family,
         assert torch.equal(batch.response_ids, ref.response_ids)
         assert torch.equal(batch.rollout_logp, ref.rollout_logp)
     assert len(calls) == 30  # the second engine never used it
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("scheme", ["w8a8-int8", "w4a16-int4"])
+def test_fake_blocks_fuse_on_each_layers_own_gemms(make_model, family, scheme):
+    """A fake-mode learner's blocks run fused when it replays: each stacked GEMM's outputs are
+    the layers' own fake forwards bit for bit (one activation quantization per shared input,
+    F.linear on each layer's dequantized weight), the whole forward equals the model's own to
+    fp32 rounding, and score reproduces generate exactly."""
+    from qarl.quant import quantize_model
+
+    options = {"group_size": 32} if scheme == "w4a16-int4" else {}
+    model = quantize_model(make_model(family=family), scheme, mode="fake", exclude=["lm_head"],
+                           **options)
+    engine = LocalEngine(model, eos_token_ids=())
+    assert paths_of(engine, "fused block in PyTorch ops") == {"model.layers.0", "model.layers.1"}
+    assert engine.describe()["model.layers.0"].endswith(
+        model.model.layers[0].self_attn.q_proj.kernel_path())
+    a, m = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    rows = torch.randn(5, 64)
+    with torch.inference_mode():
+        packs = DecodePlanner().plan(model, batch_hint=5).steps[1].args[1]
+        for pack, bias, stack in ((packs.qkv, packs.qkv_bias, [a.q_proj, a.k_proj, a.v_proj]),
+                                  (packs.gate_up, packs.gate_up_bias, [m.gate_proj, m.up_proj]),
+                                  (packs.o, a.o_proj.bias, [a.o_proj]),
+                                  (packs.down, m.down_proj.bias, [m.down_proj])):
+            x = rows if stack[0] is not m.down_proj else torch.randn(5, 128)
+            assert torch.equal(fused_linear(x, pack, bias), torch.cat([lin(x) for lin in stack], -1))
+    ids = torch.tensor([PROMPTS[0], [7, 8, 1, 2, 3]])
+    with torch.no_grad():
+        plain = model(ids)
+    torch.testing.assert_close(plan_forward(model, ids)[0], plain, atol=1e-5, rtol=0)
+    sampling = SamplingParams(max_new_tokens=8)
+    batch = engine.generate(PROMPTS, sampling, seed=1)
+    assert torch.equal(LocalEngine(model, eos_token_ids=()).score(batch, sampling),
+                       batch.rollout_logp)
+
+
+def test_fake_blocks_follow_an_optimizer_step(make_model):
+    """A fake learner's packs are keyed on its layers' QWeights: after an optimizer step on the
+    master weights the next replay runs the new dequantized weights, as a fresh engine does."""
+    from qarl.quant import quantize_model
+
+    model = quantize_model(make_model(), "w8a8-int8", mode="fake", exclude=["lm_head"])
+    engine = LocalEngine(model, eos_token_ids=())
+    before = engine.generate(PROMPTS, SHORT, seed=0).rollout_logp
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model.logits(torch.tensor(PROMPTS[:1])).logsumexp(-1).sum().backward()
+    optimizer.step()
+    stepped = engine.generate(PROMPTS, SHORT, seed=0).rollout_logp
+    assert not torch.equal(before, stepped)
+    assert torch.equal(stepped, fresh_logp(model))

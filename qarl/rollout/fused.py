@@ -22,9 +22,10 @@ from qarl.quant import run_rows
 
 @dataclass(frozen=True)
 class QuantPack:
-    """Quantized projections that share an input, rows stacked into one QWeight (exact: see
-    `Scheme.stack_rows`) and run by their scheme's kernel in one call; `run` is the scheme's kernel
-    bound to that QWeight (`Scheme.bound`), `n` its output size."""
+    """Quantized projections that share an input, run in one call: rows stacked into one
+    QWeight (exact: see `Scheme.stack_rows`) and `run` the scheme's kernel bound to it
+    (`Scheme.bound`), or fake-mode layers' own GEMMs side by side (`prepack._fake_pack`);
+    `n` the output size."""
 
     run: object  # rows [M, K] -> [M, n]
     n: int

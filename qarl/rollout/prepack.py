@@ -122,22 +122,21 @@ def block_linears(block: Block) -> list[nn.Module]:
     return [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
 
 
+def _cpu_quant_layer(module: nn.Module, mode: str) -> bool:
+    """A stock (unpatched) CPU QuantLinear in `mode`."""
+    return (type(module) is QuantLinear and module.mode == mode
+            and module.weight.device.type == "cpu" and "forward" not in module.__dict__)
+
+
 def _stackable(module: nn.Module) -> bool:
     """A CPU QuantLinear in kernel mode whose format stacks rows exactly."""
-    return (
-        type(module) is QuantLinear and module.mode == "kernel"
-        and module.weight.device.type == "cpu" and module.scheme.row_separable
-        and "forward" not in module.__dict__
-    )
+    return _cpu_quant_layer(module, "kernel") and module.scheme.row_separable
 
 
 def _fake_layer(module: nn.Module) -> bool:
     """A CPU QuantLinear in fake mode on an fp32 master weight (a `fake` learner's layer)."""
-    return (
-        type(module) is QuantLinear and module.mode == "fake" and not module.released
-        and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32
-        and "forward" not in module.__dict__
-    )
+    return (_cpu_quant_layer(module, "fake") and not module.released
+            and module.weight.dtype == torch.float32)
 
 
 def _stock_block(module: nn.Module) -> bool:

@@ -1,5 +1,6 @@
 """A `fake` learner's replay (old_logp) with its blocks fused on the layers' own GEMMs vs each
-layer's own forward, interleaved in one process on one rollout batch: one JSON object.
+layer's own forward, and vs a teacher-forced forward, interleaved in one process on one rollout
+batch: one JSON object.
 
     .venv/bin/python benchmarks/fake_replay.py                    # recipes/tbpo.toml, 3 repeats
     .venv/bin/python benchmarks/fake_replay.py --recipe default --override quant.align=fake
@@ -7,8 +8,11 @@ layer's own forward, interleaved in one process on one rollout batch: one JSON o
 The recipe's SFT warm start is trained first where the cache lacks it (`qarl sft RECIPE` does
 it alone; 22 min for tbpo on 2 Zen 3 cores). "fused" is the trainer's replayer
 (`qarl.rollout.prepack`: fused fake blocks); "own" a replayer of the same learner with block
-fusion off (every layer's own `Block.forward`, what ran before fake blocks fused). The logprob columns say
-how far the two are apart and from the sampler's.
+fusion off (every layer's own `Block.forward`, what ran before fake blocks fused). "forward" is
+no replay at all: the learner's teacher-forced pass over the whole batch without grad
+(`response_logprobs`, the gradient pass's function; the value verl's `compute_log_prob` and
+TRL take), which a non-exact mode could use for logp's value instead of the decode path. The
+logprob columns say how far the three are apart and from the sampler's.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from qarl.config import load_config
 from qarl.native import machine
 from qarl.native.memory import tune_allocator
 from qarl.rollout import LocalEngine
+from qarl.train.logprobs import response_logprobs
 from qarl.train.setup import open_run
 from qarl.train.sft import warm_start
 from qarl.train.trainer import sampling_params, train_examples
@@ -62,14 +67,22 @@ def measure(config, policy, data, repeats: int) -> dict:
     own = LocalEngine(fused.model, eos_token_ids=fused.eos_token_ids,
                       pad_token_id=fused.pad_token_id, max_context=fused.max_context,
                       fuse_blocks=False)  # every layer's own forward
-    seconds: dict[str, list[float]] = {"fused": [], "own": []}
+
+    def forward() -> torch.Tensor:
+        with torch.no_grad():
+            return response_logprobs(fused.model, batch, sampling.temperature)[0]
+
+    runs = {"fused": lambda: fused.score(batch, sampling),
+            "own": lambda: own.score(batch, sampling), "forward": forward}
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
     logp = {}
     for i in range(repeats):
-        arms = [("fused", fused), ("own", own)]
-        for name, engine in arms[:: 1 if i % 2 else -1]:  # alternate which arm goes first
-            engine.release_caches()  # packs built anew, as for each step's new weights
+        names = list(runs)[:: 1 if i % 2 else -1]  # alternate which arm goes first
+        for name in names:
+            fused.release_caches()  # packs built anew, as for each step's new weights
+            own.release_caches()
             start = time.perf_counter()
-            logp[name] = engine.score(batch, sampling)
+            logp[name] = runs[name]()
             seconds[name].append(round(time.perf_counter() - start, 2))
     mask = batch.response_mask
 
@@ -81,7 +94,9 @@ def measure(config, policy, data, repeats: int) -> dict:
             "tokens": int(mask.sum()), "describe": fused.describe()["model.layers.0"],
             "fused_vs_own": apart(logp["fused"], logp["own"]),
             "fused_vs_sampler": apart(logp["fused"], batch.rollout_logp),
-            "own_vs_sampler": apart(logp["own"], batch.rollout_logp)}
+            "own_vs_sampler": apart(logp["own"], batch.rollout_logp),
+            "forward_vs_fused": apart(logp["forward"], logp["fused"]),
+            "forward_vs_sampler": apart(logp["forward"], batch.rollout_logp)}
 
 
 if __name__ == "__main__":

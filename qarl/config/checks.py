@@ -354,6 +354,21 @@ def compare_arms_consistent(compare) -> list[Problem]:
     return problems
 
 
+def forward_logp_is_inexact_mode(train, quant) -> list[Problem]:
+    """train.logp_path = 'forward' only with quant.align 'fake' or 'naive' and a quantized
+    scheme: where the decode-path replay is exact, a teacher-forced forward would not be."""
+    scheme = SCHEMES.get(quant.scheme)
+    if train.logp_path != "forward" or scheme is None:
+        return []
+    if quant.align == "kernel" or scheme.is_identity:
+        setting = ("quant.scheme = 'none'" if scheme.is_identity
+                   else "quant.align = 'kernel'")
+        return [Problem("train.logp_path", f"'forward' with {setting}: there the decode-path "
+                        "replay equals the sampler's logprobs bit for bit (and is audited, not "
+                        "run on every row), which a teacher-forced forward does not; keep "
+                        "'decode', or use 'forward' with quant.align = 'fake' or 'naive'")]
+    return []
+
 # (sections it reads, check), in the order problems are reported
 CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
     (("run",), run_name_is_a_folder),
@@ -369,6 +384,7 @@ CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
     (("algo", "rollout"), overlong_fits),
     (("train",), schedule_fits),
     (("model", "train", "sft"), masters_can_learn),
+    (("train", "quant"), forward_logp_is_inexact_mode),
     (("train", "dist"), device_exists),
     (("model", "task", "rollout", "eval"), context_fits),
     (("model", "rollout", "quant"), engine_fits),

@@ -15,6 +15,8 @@ OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("constant", "cosine", "linear")
 # The learner's gradient-pass dtypes (qarl.train.precision resolves "auto")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+# Where the learner's logp values come from (qarl.train.setup.make_replayer builds the pass)
+LOGP_PATHS = ("decode", "forward")
 
 
 class TrainSection(BaseModel):
@@ -37,7 +39,8 @@ class TrainSection(BaseModel):
         "equal parts, each a whole number of micro-batches, one step each; with algo.epochs, "
         "epochs x mini_batches steps per rollout batch. Every step after the first is "
         "off-policy (the ratio of logp to old_logp leaves 1, so the losses' clips act) and "
-        "costs one replay of the whole batch for logp's exact value (docs/training.md).",
+        "costs one pass over the whole batch for logp's value (the decode-path replay, or the "
+        "forward: train.logp_path; docs/training.md).",
     )
     optimizer: Literal[OPTIMIZERS] = Field(
         "adamw",
@@ -75,6 +78,15 @@ class TrainSection(BaseModel):
         "AMX-BF16, float32 on other CPUs (with AVX512-BF16 alone a bf16 pass is no faster "
         "than fp32 by oneDNN; without bf16 arithmetic it is emulated, slower). See "
         "docs/training.md.")
+    logp_path: Literal[LOGP_PATHS] = Field(
+        "decode", description="Where every logp value the losses read comes from (old_logp, "
+        "and logp's value at each optimizer step after the first): 'decode', the learner's "
+        "replay of the sampled tokens on the engine's own decode path in the batch's sampled "
+        "shape (exact under kernel alignment and full-precision rollouts: old_logp equals the "
+        "sampler's bit for bit); 'forward', the learner's teacher-forced forward without grad, "
+        "micro_batch_size rows at a time (the pass verl's compute_log_prob and TRL take; "
+        "cheaper than a decode-path replay), for naive and fake alignment only, where no pass "
+        "of the learner is exact. docs/training.md.")
     device: str = Field(
         "cpu", description="Where the learner (master weights, optimizer state, gradients), "
         "the local engine, the replay, the weight sync and evaluation run: 'cpu', 'cuda' or "

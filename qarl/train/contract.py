@@ -37,10 +37,11 @@ class RunContract:
         quant = config.quant
         self.quant, self.stop = quant, quant.over_budget == "stop"
         on_cpu = config.train.device == "cpu"
-        # budgets are CPU measurements (qarl/quant/budgets.py): none for another device
+        # budgets are CPU measurements of the decode-path replay (qarl/quant/budgets.py): none
+        # for another device or for the teacher-forced forward's values (train.logp_path)
+        measured = on_cpu and config.train.logp_path == "decode"
         self.budget: Budget | None = (
-            mismatch_budget(quant.scheme, quant.align, engine, exact)
-            if on_cpu else None)
+            mismatch_budget(quant.scheme, quant.align, engine, exact) if measured else None)
         self.alert = ""  # the last over-budget sentence
 
     def start(self, sync: WeightSync, run_dir: Path) -> str:

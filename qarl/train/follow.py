@@ -34,10 +34,10 @@ from qarl.parallel.launch import Follower, follower_main, learner_ranks
 from qarl.parallel.ranks import LearnerRankDied, RankGroup, join_group, leave_group, share_state
 from qarl.rollout import LocalEngine
 from qarl.train.learner import AlignedLearner, Learner
-from qarl.train.logprobs import response_logprobs
+from qarl.train.logprobs import ForwardScorer, response_logprobs
 from qarl.train.optim import build_optimizer
 from qarl.train.phases import Experience
-from qarl.train.setup import adapt_learner, quantize_learner
+from qarl.train.setup import adapt_learner, make_replayer, quantize_learner
 from qarl.train.update import update_policy
 from qarl.types import RolloutBatch, SamplingParams
 
@@ -48,7 +48,8 @@ class FsdpLearner:
     which hold the whole state only inside `whole_optimizer_state`."""
 
     def __init__(self, sharded: ShardedLearner, group: RankGroup, whole: CausalLM | None = None,
-                 optimizers: list | None = None, replayer: LocalEngine | None = None,
+                 optimizers: list | None = None,
+                 replayer: LocalEngine | ForwardScorer | None = None,
                  routing_replay: bool = False):
         self.sharded, self.group, self.whole, self.replayer = sharded, group, whole, replayer
         self.model = whole if whole is not None else sharded.model
@@ -179,8 +180,8 @@ def follow(rank: int, world: int, init, config: RunConfig) -> int:
             adapt_learner(model, config)  # LoRA: rank 0's adapters arrive with its state
             optimizers = _optimizers(config)(model)
             share_state(group, model, optimizers)
-            replayer = LocalEngine.from_tokenizer(model, load_tokenizer(config.model.name),
-                                                  max_context=config.model.max_context)
+            replayer = make_replayer(config, model, load_tokenizer(config.model.name),
+                                     config.model.max_context)
             learner = AlignedLearner(model, optimizers, replayer, config.quant.routing_replay,
                                      group)
         while (message := group.broadcast(None)) is not None:

@@ -3,7 +3,8 @@
 - `replay(batch, sampling)`: the learner's logprobs of the sampled tokens (no grad) by the
   engine's own decode path on the whole batch: exact on CPU, so old_logp equals the sampler's
   logprobs bit for bit under `kernel` alignment (`qarl.train.logprobs` says why this, and not
-  a full-sequence forward);
+  a full-sequence forward); under `train.logp_path = 'forward'` (naive / fake alignment) by
+  the teacher-forced forward instead (`logprobs.ForwardScorer`);
 - `logprobs(batch, temperature)`: the fast teacher-forced forward, with grad
   (`logprobs.response_logprobs`), what the update's gradient comes from;
 - `update(experience, algo, train, step)`: the epochs of micro-batched backward passes and
@@ -30,7 +31,7 @@ from torch import Tensor
 from qarl.config import AlgoSection, TrainSection
 from qarl.model import CausalLM
 from qarl.rollout import LocalEngine
-from qarl.train.logprobs import response_logprobs
+from qarl.train.logprobs import ForwardScorer, response_logprobs
 from qarl.train.phases import Experience
 from qarl.train.update import SOLO, Collectives, update_policy
 from qarl.types import RolloutBatch, SamplingParams
@@ -67,11 +68,12 @@ class Learner(Protocol):
 class AlignedLearner:
     """The learner of one process (or one replicated rank, with its `group`): master weights
     in `model` (QuantLinear layers in the align mode), trained by `optimizers`; `replayer` is
-    the engine's decode path around `model` (a LocalEngine); `routing_replay`: MoE layers use
+    the engine's decode path around `model` (a LocalEngine), or its teacher-forced forward (a
+    ForwardScorer: train.logp_path); `routing_replay`: MoE layers use
     the engine's experts (quant.routing_replay)."""
 
     def __init__(self, model: CausalLM, optimizers: list[torch.optim.Optimizer],
-                 replayer: LocalEngine, routing_replay: bool = False,
+                 replayer: LocalEngine | ForwardScorer, routing_replay: bool = False,
                  group: Collectives = SOLO):
         self.model, self.optimizers, self.replayer = model, optimizers, replayer
         self.routing_replay, self.group = routing_replay, group

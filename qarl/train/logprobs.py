@@ -16,6 +16,9 @@ Two ways to compute logp(response | prompt) for a RolloutBatch:
   quantizers amplify that into whole rounding steps (smollm2-135m W8A8: ~0.1 nats mean).
   The replay must also use the batch shape that was sampled. Figures: docs/alignment.md.
 
+`ForwardScorer` is the replay's stand-in under `train.logp_path = 'forward'` (naive and fake
+alignment): logp values by `response_logprobs` without grad.
+
 `aligned_logprobs` combines them for the update: the value of the exact path with the
 gradient of the fast one, `logp = exact + (fast - sg(fast))`. Its value is bit-identical to
 `exact` (x - x = 0 exactly) and its gradient is the fast path's, which computes the same
@@ -33,8 +36,8 @@ from torch.utils.checkpoint import checkpoint
 from qarl.model.cache import SharedPrefixCache
 from qarl.model.decoder import CausalLM, Routing, positions_from_mask
 from qarl.rollout.sampling import token_logprobs
-from qarl.train.precision import lm_head_logits
-from qarl.types import RolloutBatch
+from qarl.train.precision import gradient_pass, lm_head_logits
+from qarl.types import RolloutBatch, SamplingParams
 
 
 def _chunk_logprobs_and_entropy(lm_head, hidden: Tensor, tokens: Tensor, temperature: float):
@@ -117,6 +120,37 @@ def response_logprobs(
         logp = logp.masked_scatter(mask, torch.cat(logps))
         entropy = entropy.masked_scatter(mask, torch.cat(entropies).detach())
     return logp, entropy
+
+
+class ForwardScorer:
+    """What `Learner.replay` runs under `train.logp_path = 'forward'`: the learner's
+    teacher-forced forward of `model` without grad (`response_logprobs`), `rows` rows at a time,
+    in the fp32 gradient pass's context (the machine's fp32 GEMM library). Every call splits a
+    batch alike, so two calls at the same weights give the same bits: logp's value at a later
+    optimizer step equals old_logp exactly where the weights did not move. It is the value
+    verl's `compute_log_prob` and TRL take, and no pass of a `naive` or `fake` learner equals
+    the sampler's anyway; it differs from the decode-path replay by the rounding of other
+    shapes (docs/training.md). No routing table: a MoE model's routing-disagreement metric
+    needs the decode-path replay."""
+
+    def __init__(self, model: CausalLM, rows: int):
+        self.model, self.rows = model, rows
+
+    def score_routing(self, batch: RolloutBatch, sampling: SamplingParams,
+                      replay: bool = False) -> tuple[Tensor, None]:
+        """(logp [N, L] float32, None); replay: MoE layers use the batch's routed_experts."""
+        N = batch.num_sequences
+        device = batch.response_ids.device
+        parts = []
+        with torch.no_grad(), gradient_pass(torch.float32, device):
+            for start in range(0, N, self.rows):
+                sub = batch.select(torch.arange(start, min(N, start + self.rows), device=device))
+                parts.append(response_logprobs(self.model, sub, sampling.temperature,
+                                               routing_replay=replay)[0])
+        return torch.cat(parts), None
+
+    def release_caches(self) -> None:
+        """Nothing is cached across weight versions."""
 
 
 def aligned_logprobs(fast_logp: Tensor, exact_logp: Tensor) -> Tensor:

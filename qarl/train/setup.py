@@ -40,6 +40,7 @@ from qarl.tasks import Example, RewardRunner, Task, make_task
 from qarl.train.audit import ReplayAudit
 from qarl.train.contract import RunContract
 from qarl.train.learner import AlignedLearner, Learner
+from qarl.train.logprobs import ForwardScorer
 from qarl.train.optim import build_optimizer
 from qarl.train.sync import WeightSync
 from qarl.types import SamplingParams
@@ -239,6 +240,15 @@ def build_engine(config: RunConfig, worker: int = 0, run_dir: Path | None = None
                        load_tokenizer(config.model.name), folder)
 
 
+def make_replayer(config: RunConfig, model: CausalLM, tokenizer: Tokenizer,
+                  max_context: int) -> LocalEngine | ForwardScorer:
+    """The pass `Learner.replay` runs on the learner `model` (train.logp_path): the engine's
+    decode path around it, or its teacher-forced forward without grad."""
+    if config.train.logp_path == "forward":
+        return ForwardScorer(model, config.train.micro_batch_size)
+    return LocalEngine.from_tokenizer(model, tokenizer, max_context=max_context)
+
+
 def replay_is_exact(config: RunConfig, moe: bool) -> bool:
     """The learner's replay equals the sampler's logprobs by construction (same kernels, same
     decode path): `kernel` alignment or full-precision rollouts, qarl's own engine, a dense
@@ -284,7 +294,7 @@ def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | No
     train = config.train
     optimizers = build_optimizer(learner, train.optimizer, train.lr, train.weight_decay,
                                  tuple(train.betas))
-    replayer = LocalEngine.from_tokenizer(learner, tokenizer, max_context=max_context)
+    replayer = make_replayer(config, learner, tokenizer, max_context)
     identity = SCHEMES[config.quant.scheme].is_identity
     exact = replay_is_exact(config, bool(learner.config.moe_layers))
     audit = ReplayAudit(exact, config.train.audit_fraction, config.train.audit_full_every)

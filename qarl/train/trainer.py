@@ -168,6 +168,11 @@ class Loop:
         self.log.write(f"learner on {device}, gradient pass: "
                        + describe_compute(resolve_compute_dtype(requested, device), requested,
                                         device))
+        if self.config.train.logp_path == "forward":
+            self.log.write("logp values (old_logp and every later optimizer step's): the "
+                           "learner's teacher-forced forward without grad, "
+                           f"{self.config.train.micro_batch_size} rows at a time "
+                           "(train.logp_path = 'forward'), not the decode-path replay")
         self.rng = checkpoint.capture_rng()  # the state a checkpoint of `done` steps holds
 
     def run(self) -> tuple[dict | None, dict]:

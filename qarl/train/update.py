@@ -119,8 +119,9 @@ def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
                   routing_replay: bool = False) -> dict[str, float]:
     """Train `module` with `optimizers` on `exp` (module docstring): `algo.epochs` passes over
     the batch, each `train.mini_batches` optimizer steps on consecutive parts of its rows.
-    `exact(exp)`: logp of the whole batch by the engine's decode path with the current
-    weights, [N, L] float32: the value of logp at every optimizer step after the first (the
+    `exact(exp)`: logp of the whole batch by the pass old_logp came from (the engine's decode
+    path, or the teacher-forced forward: train.logp_path) with the current weights, [N, L]
+    float32: the value of logp at every optimizer step after the first (the
     first uses exp.old_logp, the same value, since the weights have not moved yet)."""
     lr = learning_rate(step, train.steps, train.lr, train.min_lr, train.warmup_steps, train.lr_schedule)
     if not bool(exp.advantages[exp.rows].any()):
@@ -141,11 +142,13 @@ def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
     recompute = partial(gradient_pass, compute, device) if train.gradient_checkpointing else None
     with checkpointed_layers(module, recompute):
         for epoch, rows in ((e, r) for e in range(algo.epochs) for r in parts):
-            # logp's value always comes from a decode-path replay of the WHOLE batch (the
-            # shape it was sampled with: a micro-batch replay is not exact, and on smollm2
-            # W8A8 the activation quantizers amplify that to ~0.1 nats). At the first step the
-            # learner is still the policy that old_logp replayed; every later step replays
-            # once with the weights the steps before it left.
+            # logp's value always comes from the pass old_logp came from (`exact`): a
+            # decode-path replay of the WHOLE batch (the shape it was sampled with: a
+            # micro-batch replay is not exact, and on smollm2 W8A8 the activation quantizers
+            # amplify that to ~0.1 nats), or with train.logp_path = 'forward' the teacher-
+            # forced forward split as old_logp's was. At the first step the learner is still
+            # the policy old_logp came from; every later step runs that pass once with the
+            # weights the steps before it left.
             values = exp.old_logp if steps == 0 else exact(exp)
             steps += 1
             entropy_sum, entropy_count, finite = accumulate_gradients(

@@ -1,0 +1,118 @@
+"""train.logp_path = 'forward': a naive / fake learner's logp values by its teacher-forced
+forward (`qarl.train.logprobs.ForwardScorer`) instead of the decode-path replay."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from qarl.config import ConfigError, load_config
+from qarl.rollout import LocalEngine
+from qarl.train.logprobs import ForwardScorer, response_logprobs
+from qarl.train.phases import Experience
+from qarl.train.precision import gradient_pass
+from qarl.train.setup import open_run, sampling_params
+from qarl.train.sft import warm_start
+from qarl.train.trainer import rl_step
+from qarl.train.update import SOLO, update_policy
+
+
+def _config(tmp_path, **extra):
+    return load_config("tiny", {"run.output_dir": str(tmp_path), "log.progress": False,
+                                "rollout.batch_size": 8, "rollout.group_size": 4,
+                                "train.micro_batch_size": 4, "quant.align": "fake",
+                                "train.logp_path": "forward", **extra})
+
+
+def _batch(policy, data, config):
+    examples = data.task.examples("train", 2, 0)
+    prompts = [ids for ids in data.prompts.encode_prompts(examples) for _ in range(4)]
+    sampling = sampling_params(config.rollout)
+    return policy.engine.generate(prompts, sampling, seed=3), sampling
+
+
+@pytest.mark.parametrize("align", ["fake", "naive"])
+def test_forward_values_are_the_gradient_pass_values(tmp_path, align):
+    """The learner's replay is a ForwardScorer: its values are those the fp32 gradient pass
+    computes on each micro-batch (so at the first optimizer step logp's value and the function
+    its gradient comes from agree to the bit), the same on every call, and not the decode
+    path's: the two passes round differently, by a small amount against the sampler's."""
+    config = _config(tmp_path, **{"quant.align": align})
+    with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
+        assert isinstance(policy.learner.replayer, ForwardScorer)
+        batch, sampling = _batch(policy, data, config)
+        values, routing = policy.learner.replay(batch, sampling)
+        again, _ = policy.learner.replay(batch, sampling)
+        model = policy.learner.model
+        with gradient_pass(torch.float32, values.device):
+            fast = torch.cat([response_logprobs(model, batch.select(torch.arange(s, s + 4)),
+                                                sampling.temperature)[0] for s in (0, 4)])
+        decode = LocalEngine.from_tokenizer(model, data.tokenizer).score(batch, sampling)
+    mask = batch.response_mask
+    assert routing is None and values.shape == mask.shape and not values.requires_grad
+    assert torch.equal(values, again) and torch.equal(values, fast.detach())
+    assert not torch.equal(values[mask], decode[mask])
+    # Other shapes, other fp32 rounding: ~1e-6 here (5e-7 naive, 2e-6 fake on a Zen 4). A
+    # fake learner's int8 activation quantizers can turn such a difference into a whole
+    # rounding step on some row (smollm2: ~0.1 nats mean, docs/alignment.md), hence its bound.
+    apart = float((values - decode)[mask].abs().max())
+    assert apart < (1e-4 if align == "naive" else 0.05), apart
+
+
+def test_a_later_optimizer_step_takes_its_value_from_the_same_pass(tmp_path):
+    """With two mini-batches, the second step's logp value comes from the pass old_logp came
+    from: at unchanged weights (lr 0) it equals old_logp bit for bit, so the ratio is exactly
+    1 where the policy did not move; the decode-path replay of the same weights is not."""
+    config = _config(tmp_path, **{"train.mini_batches": 2, "algo.loss": "tbpo"})
+    with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
+        batch, sampling = _batch(policy, data, config)
+        old = policy.learner.replay(batch, sampling)[0]
+        exp = Experience(batch, sampling, old, torch.tensor([1.0, -1.0, 0.5, -0.5] * 2),
+                         torch.ones(8, dtype=torch.bool))
+        model = policy.learner.model
+        seen = []
+
+        def exact(e):
+            seen.append(policy.learner.replay(e.batch, e.sampling)[0])
+            return seen[-1]
+
+        train = config.train.model_copy(update={"lr": 0.0})
+        metrics = update_policy(model, [torch.optim.SGD(model.parameters(), lr=0.0)], SOLO,
+                                exact, exp, config.algo, train, step=0)
+        decode = LocalEngine.from_tokenizer(model, data.tokenizer).score(batch, sampling)
+    mask = batch.response_mask
+    assert len(seen) == 1 and torch.equal(seen[0], old)
+    assert not torch.equal(decode[mask], old[mask])
+    assert metrics["loss/clip_frac"] == 0.0 and metrics["loss/seq_ratio_max"] == 1.0
+
+
+def test_a_fake_step_with_forward_values(tmp_path):
+    """One rl_step of a fake learner with train.logp_path = 'forward' and two mini-batches:
+    every row's old_logp comes from the forward (audit/full_replay), the mismatch against the
+    sampler is measured (and has no budget: budgets are the decode path's), the second step is
+    off-policy, and the weights move."""
+    config = _config(tmp_path, **{"train.mini_batches": 2, "algo.loss": "tbpo"})
+    with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
+        assert policy.contract.budget is None
+        before = [p.detach().clone() for p in policy.learner.model.parameters()]
+        metrics = rl_step(policy, data, config, step=1)
+        after = list(policy.learner.model.parameters())
+    assert metrics["audit/full_replay"] == 1.0 and metrics["audit/replayed_frac"] == 1.0
+    assert 0.0 < metrics["mismatch/abs_diff_mean"] < 0.05
+    assert "contract/over_budget" not in metrics
+    assert metrics["policy/optimizer_steps"] + metrics["policy/skipped_steps"] == 2.0
+    assert any(not torch.equal(b, a) for b, a in zip(before, after))
+
+
+@pytest.mark.parametrize("overrides, setting", [
+    ({"quant.align": "kernel"}, "quant.align = 'kernel'"),
+    ({"quant.scheme": "none"}, "quant.scheme = 'none'"),
+])
+def test_forward_values_are_refused_where_the_replay_is_exact(tmp_path, overrides, setting):
+    with pytest.raises(ConfigError) as caught:
+        _config(tmp_path, **overrides)
+    message = str(caught.value)
+    assert f"train.logp_path: 'forward' with {setting}" in message
+    assert "keep 'decode'" in message

@@ -8,6 +8,8 @@ import copy
 import pytest
 import torch
 
+from safetensors.torch import load_file
+
 from qarl.config import ConfigError, load_config
 from qarl.rollout import LocalEngine
 from qarl.train.logprobs import ForwardScorer, response_logprobs
@@ -15,8 +17,11 @@ from qarl.train.phases import Experience
 from qarl.train.precision import gradient_pass
 from qarl.train.setup import open_run, sampling_params
 from qarl.train.sft import warm_start
+from qarl.train import train
+from qarl.train.checkpoint import latest
 from qarl.train.trainer import rl_step
 from qarl.train.update import SOLO, update_policy
+from rank_weights import assert_weights_agree
 
 
 def _config(tmp_path, **extra):
@@ -104,6 +109,24 @@ def test_a_fake_step_with_forward_values(tmp_path):
     assert "contract/over_budget" not in metrics
     assert metrics["policy/optimizer_steps"] + metrics["policy/skipped_steps"] == 2.0
     assert any(not torch.equal(b, a) for b, a in zip(before, after))
+
+
+def test_learner_ranks_take_their_values_from_the_forward_too(tmp_path):
+    """Two replicated ranks and two FSDP ranks, fake alignment, forward values, 2 epochs (the
+    second epoch's value computed on rank 0's whole learner and broadcast) end with the
+    weights of one rank, as closely as rank_weights.py allows for the decode path."""
+    def weights(ranks: int, strategy: str = "replicate"):
+        name = f"ranks{ranks}-{strategy}"
+        train("tiny", {"train.steps": 2, "rollout.batch_size": 16, "train.micro_batch_size": 4,
+                       "eval.size": 4, "eval.full_precision": False, "algo.epochs": 2,
+                       "quant.align": "fake", "train.logp_path": "forward",
+                       "dist.learner_ranks": ranks, "dist.learner_strategy": strategy,
+                       "run.output_dir": str(tmp_path), "run.name": name, "log.progress": False})
+        return load_file(latest(tmp_path / name) / "model.safetensors")
+
+    one = weights(1)
+    assert_weights_agree(one, weights(2))
+    assert_weights_agree(one, weights(2, "fsdp"))
 
 
 @pytest.mark.parametrize("overrides, setting", [

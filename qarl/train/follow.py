@@ -33,7 +33,7 @@ from qarl.parallel.fsdp import ShardedLearner, clear_state
 from qarl.parallel.launch import Follower, follower_main, learner_ranks
 from qarl.parallel.ranks import LearnerRankDied, RankGroup, join_group, leave_group, share_state
 from qarl.rollout import LocalEngine
-from qarl.train.learner import AlignedLearner, Learner
+from qarl.train.learner import AlignedLearner, Learner, later_logp
 from qarl.train.logprobs import ForwardScorer, response_logprobs
 from qarl.train.optim import build_optimizer
 from qarl.train.phases import Experience
@@ -75,11 +75,11 @@ class FsdpLearner:
         if self.replayer is not None:
             self.replayer.release_caches()
 
-    def _exact(self, exp: Experience) -> Tensor:
-        """A later epoch's replay: rank 0 on its whole learner (the shards gathered first),
-        broadcast to every rank."""
+    def _exact(self, exp: Experience, rows: range) -> Tensor:
+        """A later optimizer step's logp value (`learner.later_logp`): rank 0 on its whole
+        learner (the shards gathered first), broadcast to every rank."""
         self.sharded.publish(self.whole)
-        logp = None if self.whole is None else self.replay(exp.batch, exp.sampling)[0]
+        logp = None if self.whole is None else later_logp(self, exp, rows)
         return self.group.broadcast(logp)
 
     @contextlib.contextmanager

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -65,6 +66,18 @@ class Learner(Protocol):
         ...
 
 
+def later_logp(learner: AlignedLearner, exp: Experience, rows: range) -> Tensor:
+    """logp's value at an optimizer step after the first, for that step's `rows` ([N, L]
+    float32; only `rows` are read), on an AlignedLearner or an FsdpLearner's rank 0 (both
+    hold `replayer`, `replay` and `routing_replay`): the learner's decode-path replay of the whole batch (the
+    shape it was sampled with), or the forward of the micro-batches that hold `rows`, each
+    split as old_logp's was (its replayer a ForwardScorer: train.logp_path = 'forward')."""
+    replayer = learner.replayer
+    if isinstance(replayer, ForwardScorer):
+        return replayer.score_part(exp.batch, exp.sampling, rows, learner.routing_replay)
+    return learner.replay(exp.batch, exp.sampling)[0]
+
+
 class AlignedLearner:
     """The learner of one process (or one replicated rank, with its `group`): master weights
     in `model` (QuantLinear layers in the align mode), trained by `optimizers`; `replayer` is
@@ -89,8 +102,8 @@ class AlignedLearner:
     def update(self, exp: Experience, algo: AlgoSection, train: TrainSection,
                step: int) -> dict[str, float]:
         return update_policy(self.model, self.optimizers, self.group,
-                             lambda e: self.replay(e.batch, e.sampling)[0], exp, algo, train,
-                             step, self.routing_replay)
+                             partial(later_logp, self), exp,
+                             algo, train, step, self.routing_replay)
 
     def release_caches(self) -> None:
         self.replayer.release_caches()

@@ -139,15 +139,24 @@ class ForwardScorer:
     def score_routing(self, batch: RolloutBatch, sampling: SamplingParams,
                       replay: bool = False) -> tuple[Tensor, None]:
         """(logp [N, L] float32, None); replay: MoE layers use the batch's routed_experts."""
+        return self.score_part(batch, sampling, range(batch.num_sequences), replay), None
+
+    def score_part(self, batch: RolloutBatch, sampling: SamplingParams, rows: range,
+                   replay: bool = False) -> Tensor:
+        """logp [N, L] float32 of the chunks that hold `rows` (0 on every other row): the
+        same bits for those rows as a call on the whole batch, since each chunk is computed
+        on its own."""
         N = batch.num_sequences
         device = batch.response_ids.device
-        parts = []
+        logp = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=device)
+        first = rows.start - rows.start % self.rows
         with torch.no_grad(), gradient_pass(torch.float32, device):
-            for start in range(0, N, self.rows):
-                sub = batch.select(torch.arange(start, min(N, start + self.rows), device=device))
-                parts.append(response_logprobs(self.model, sub, sampling.temperature,
-                                               routing_replay=replay)[0])
-        return torch.cat(parts), None
+            for start in range(first, min(N, rows.stop), self.rows):
+                stop = min(N, start + self.rows)
+                sub = batch.select(torch.arange(start, stop, device=device))
+                logp[start:stop] = response_logprobs(self.model, sub, sampling.temperature,
+                                                     routing_replay=replay)[0]
+        return logp
 
     def release_caches(self) -> None:
         """Nothing is cached across weight versions."""

@@ -114,14 +114,15 @@ def mini_batches(n: int, parts: int) -> list[range]:
 
 
 def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-                  group: Collectives, exact: Callable[[Experience], Tensor], exp: Experience,
-                  algo: AlgoSection, train: TrainSection, step: int,
+                  group: Collectives, exact: Callable[[Experience, range], Tensor],
+                  exp: Experience, algo: AlgoSection, train: TrainSection, step: int,
                   routing_replay: bool = False) -> dict[str, float]:
     """Train `module` with `optimizers` on `exp` (module docstring): `algo.epochs` passes over
     the batch, each `train.mini_batches` optimizer steps on consecutive parts of its rows.
-    `exact(exp)`: logp of the whole batch by the pass old_logp came from (the engine's decode
-    path, or the teacher-forced forward: train.logp_path) with the current weights, [N, L]
-    float32: the value of logp at every optimizer step after the first (the
+    `exact(exp, rows)`: logp by the pass old_logp came from (the engine's decode path on the
+    whole batch, or the teacher-forced forward of `rows`' micro-batches: train.logp_path)
+    with the current weights, [N, L] float32 of which the optimizer step of `rows` reads its
+    rows: the value of logp at every optimizer step after the first (the
     first uses exp.old_logp, the same value, since the weights have not moved yet)."""
     lr = learning_rate(step, train.steps, train.lr, train.min_lr, train.warmup_steps, train.lr_schedule)
     if not bool(exp.advantages[exp.rows].any()):
@@ -146,10 +147,10 @@ def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
             # decode-path replay of the WHOLE batch (the shape it was sampled with: a
             # micro-batch replay is not exact, and on smollm2 W8A8 the activation quantizers
             # amplify that to ~0.1 nats), or with train.logp_path = 'forward' the teacher-
-            # forced forward split as old_logp's was. At the first step the learner is still
-            # the policy old_logp came from; every later step runs that pass once with the
-            # weights the steps before it left.
-            values = exp.old_logp if steps == 0 else exact(exp)
+            # forced forward of this step's micro-batches, split as old_logp's was. At the
+            # first step the learner is still the policy old_logp came from; every later step
+            # runs that pass once with the weights the steps before it left.
+            values = exp.old_logp if steps == 0 else exact(exp, rows)
             steps += 1
             entropy_sum, entropy_count, finite = accumulate_gradients(
                 module, exp, values, algo, correction, {**params, **counts[rows]}, rows,

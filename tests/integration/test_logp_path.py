@@ -19,6 +19,7 @@ from qarl.train.setup import open_run, sampling_params
 from qarl.train.sft import warm_start
 from qarl.train import train
 from qarl.train.checkpoint import latest
+from qarl.train.learner import later_logp
 from qarl.train.trainer import rl_step
 from qarl.train.update import SOLO, update_policy
 from rank_weights import assert_weights_agree
@@ -68,8 +69,9 @@ def test_forward_values_are_the_gradient_pass_values(tmp_path, align):
 
 def test_a_later_optimizer_step_takes_its_value_from_the_same_pass(tmp_path):
     """With two mini-batches, the second step's logp value comes from the pass old_logp came
-    from: at unchanged weights (lr 0) it equals old_logp bit for bit, so the ratio is exactly
-    1 where the policy did not move; the decode-path replay of the same weights is not."""
+    from, on that step's own rows: at unchanged weights (lr 0) it equals old_logp bit for bit,
+    so the ratio is exactly 1 where the policy did not move; the decode-path replay of the
+    same weights is not."""
     config = _config(tmp_path, **{"train.mini_batches": 2, "algo.loss": "tbpo"})
     with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
         batch, sampling = _batch(policy, data, config)
@@ -79,16 +81,18 @@ def test_a_later_optimizer_step_takes_its_value_from_the_same_pass(tmp_path):
         model = policy.learner.model
         seen = []
 
-        def exact(e):
-            seen.append(policy.learner.replay(e.batch, e.sampling)[0])
-            return seen[-1]
+        def exact(e, rows):
+            seen.append((rows, later_logp(policy.learner, e, rows)))
+            return seen[-1][1]
 
         train = config.train.model_copy(update={"lr": 0.0})
         metrics = update_policy(model, [torch.optim.SGD(model.parameters(), lr=0.0)], SOLO,
                                 exact, exp, config.algo, train, step=0)
         decode = LocalEngine.from_tokenizer(model, data.tokenizer).score(batch, sampling)
     mask = batch.response_mask
-    assert len(seen) == 1 and torch.equal(seen[0], old)
+    (rows, values), = seen  # one later step: the second mini-batch, rows 4-7
+    assert rows == range(4, 8) and torch.equal(values[4:], old[4:])
+    assert not values[:4].any()  # the forward ran on the step's own micro-batch only
     assert not torch.equal(decode[mask], old[mask])
     assert metrics["loss/clip_frac"] == 0.0 and metrics["loss/seq_ratio_max"] == 1.0
 

@@ -9,10 +9,10 @@ The recipe's SFT warm start is trained first where the cache lacks it (`qarl sft
 it alone; 22 min for tbpo on 2 Zen 3 cores). "fused" is the trainer's replayer
 (`qarl.rollout.prepack`: fused fake blocks); "own" a replayer of the same learner with block
 fusion off (every layer's own `Block.forward`, what ran before fake blocks fused). "forward" is
-no replay at all: the learner's teacher-forced pass over the whole batch without grad
-(`response_logprobs`, the gradient pass's function; the value verl's `compute_log_prob` and
-TRL take), which a non-exact mode could use for logp's value instead of the decode path. The
-logprob columns say how far the three are apart and from the sampler's.
+no replay at all: the learner's teacher-forced pass without grad, micro_batch_size rows at a
+time (`train.logp_path = 'forward'`: `qarl.train.logprobs.ForwardScorer`, the value verl's
+`compute_log_prob` and TRL take). The logprob columns say how far the three are apart and
+from the sampler's.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from qarl.config import load_config
 from qarl.native import machine
 from qarl.native.memory import tune_allocator
 from qarl.rollout import LocalEngine
-from qarl.train.logprobs import response_logprobs
+from qarl.train.logprobs import ForwardScorer
 from qarl.train.setup import open_run
 from qarl.train.sft import warm_start
 from qarl.train.trainer import sampling_params, train_examples
@@ -68,12 +68,10 @@ def measure(config, policy, data, repeats: int) -> dict:
                       pad_token_id=fused.pad_token_id, max_context=fused.max_context,
                       fuse_blocks=False)  # every layer's own forward
 
-    def forward() -> torch.Tensor:
-        with torch.no_grad():
-            return response_logprobs(fused.model, batch, sampling.temperature)[0]
-
+    scorer = ForwardScorer(fused.model, config.train.micro_batch_size)  # train.logp_path
     runs = {"fused": lambda: fused.score(batch, sampling),
-            "own": lambda: own.score(batch, sampling), "forward": forward}
+            "own": lambda: own.score(batch, sampling),
+            "forward": lambda: scorer.score_routing(batch, sampling)[0]}
     seconds: dict[str, list[float]] = {name: [] for name in runs}
     logp = {}
     for i in range(repeats):

@@ -31,7 +31,11 @@ from qarl.config.errors import Problem, short, suggest, unknown_key
 from qarl.config.compare_schema import flatten_overrides
 from qarl.config.dist_checks import dist_is_possible
 from qarl.config.lora_checks import lora_fits
-from qarl.config.train_checks import device_exists, masters_can_learn
+from qarl.config.train_checks import (
+    device_exists,
+    forward_logp_is_inexact_mode,
+    masters_can_learn,
+)
 from qarl.config.resources import RESOURCE_CHECKS
 from qarl.model import SUPPORTED_ARCHITECTURES, ZOO
 from qarl.model.config import MOE_FAMILIES
@@ -353,21 +357,6 @@ def compare_arms_consistent(compare) -> list[Problem]:
                      for key in flatten_overrides(table) if key.split(".")[0] in ("run", "compare")]
     return problems
 
-
-def forward_logp_is_inexact_mode(train, quant) -> list[Problem]:
-    """train.logp_path = 'forward' only with quant.align 'fake' or 'naive' and a quantized
-    scheme: where the decode-path replay is exact, a teacher-forced forward would not be."""
-    scheme = SCHEMES.get(quant.scheme)
-    if train.logp_path != "forward" or scheme is None:
-        return []
-    if quant.align == "kernel" or scheme.is_identity:
-        setting = ("quant.scheme = 'none'" if scheme.is_identity
-                   else "quant.align = 'kernel'")
-        return [Problem("train.logp_path", f"'forward' with {setting}: there the decode-path "
-                        "replay equals the sampler's logprobs bit for bit (and is audited, not "
-                        "run on every row), which a teacher-forced forward does not; keep "
-                        "'decode', or use 'forward' with quant.align = 'fake' or 'naive'")]
-    return []
 
 # (sections it reads, check), in the order problems are reported
 CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [

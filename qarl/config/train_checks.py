@@ -1,12 +1,13 @@
 """Checks of the train section that span sections or the machine: the master weights' dtype
-against training, and train.device against the devices this machine has (the `CHECKS` of
-qarl.config.checks run them)."""
+against training, the logp path against the alignment mode, and train.device against the
+devices this machine has (the `CHECKS` of qarl.config.checks run them)."""
 
 from __future__ import annotations
 
 import re
 
 from qarl.config.errors import Problem
+from qarl.quant import SCHEMES
 
 
 def masters_can_learn(model, train, sft) -> list[Problem]:
@@ -20,6 +21,21 @@ def masters_can_learn(model, train, sft) -> list[Problem]:
                     "gradient pass ('auto' picks it on CUDA and CPUs with AMX-BF16); a run "
                     "that only evaluates may keep bfloat16 with train.lr = 0")]
 
+
+def forward_logp_is_inexact_mode(train, quant) -> list[Problem]:
+    """train.logp_path = 'forward' only with quant.align 'fake' or 'naive' and a quantized
+    scheme: where the decode-path replay is exact, a teacher-forced forward would not be."""
+    scheme = SCHEMES.get(quant.scheme)
+    if train.logp_path != "forward" or scheme is None:
+        return []
+    if quant.align == "kernel" or scheme.is_identity:
+        setting = ("quant.scheme = 'none'" if scheme.is_identity
+                   else "quant.align = 'kernel'")
+        return [Problem("train.logp_path", f"'forward' with {setting}: there the decode-path "
+                        "replay equals the sampler's logprobs bit for bit (and is audited, not "
+                        "run on every row), which a teacher-forced forward does not; keep "
+                        "'decode', or use 'forward' with quant.align = 'fake' or 'naive'")]
+    return []
 
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 

@@ -39,8 +39,8 @@ class TrainSection(BaseModel):
         "equal parts, each a whole number of micro-batches, one step each; with algo.epochs, "
         "epochs x mini_batches steps per rollout batch. Every step after the first is "
         "off-policy (the ratio of logp to old_logp leaves 1, so the losses' clips act) and "
-        "costs one pass over the whole batch for logp's value (the decode-path replay, or the "
-        "forward: train.logp_path; docs/training.md).",
+        "costs one pass for logp's value: the decode-path replay of the whole batch, or the "
+        "forward of the step's own rows (train.logp_path; docs/training.md).",
     )
     optimizer: Literal[OPTIMIZERS] = Field(
         "adamw",
@@ -84,8 +84,9 @@ class TrainSection(BaseModel):
         "replay of the sampled tokens on the engine's own decode path in the batch's sampled "
         "shape (exact under kernel alignment and full-precision rollouts: old_logp equals the "
         "sampler's bit for bit); 'forward', the learner's teacher-forced forward without grad, "
-        "micro_batch_size rows at a time (the pass verl's compute_log_prob and TRL take; "
-        "cheaper than a decode-path replay), for naive and fake alignment only, where no pass "
+        "micro_batch_size rows at a time (the pass verl's compute_log_prob and TRL take; a "
+        "little cheaper than a decode-path replay, and a later step runs it on its own rows "
+        "only), for naive and fake alignment only, where no pass "
         "of the learner is exact. docs/training.md.")
     device: str = Field(
         "cpu", description="Where the learner (master weights, optimizer state, gradients), "

@@ -69,9 +69,9 @@ class Learner(Protocol):
 def later_logp(learner: AlignedLearner, exp: Experience, rows: range) -> Tensor:
     """logp's value at an optimizer step after the first, for that step's `rows` ([N, L]
     float32; only `rows` are read), on an AlignedLearner or an FsdpLearner's rank 0 (both
-    hold `replayer`, `replay` and `routing_replay`): the learner's decode-path replay of the whole batch (the
-    shape it was sampled with), or the forward of the micro-batches that hold `rows`, each
-    split as old_logp's was (its replayer a ForwardScorer: train.logp_path = 'forward')."""
+    hold `replayer`, `replay` and `routing_replay`): the learner's decode-path replay of the
+    whole batch (the shape it was sampled with), or the forward of the micro-batches that
+    hold `rows`, each split as old_logp's was (a ForwardScorer: train.logp_path)."""
     replayer = learner.replayer
     if isinstance(replayer, ForwardScorer):
         return replayer.score_part(exp.batch, exp.sampling, rows, learner.routing_replay)
@@ -82,8 +82,8 @@ class AlignedLearner:
     """The learner of one process (or one replicated rank, with its `group`): master weights
     in `model` (QuantLinear layers in the align mode), trained by `optimizers`; `replayer` is
     the engine's decode path around `model` (a LocalEngine), or its teacher-forced forward (a
-    ForwardScorer: train.logp_path); `routing_replay`: MoE layers use
-    the engine's experts (quant.routing_replay)."""
+    ForwardScorer: train.logp_path); `routing_replay`: MoE layers use the engine's experts
+    (quant.routing_replay)."""
 
     def __init__(self, model: CausalLM, optimizers: list[torch.optim.Optimizer],
                  replayer: LocalEngine | ForwardScorer, routing_replay: bool = False,
@@ -102,8 +102,8 @@ class AlignedLearner:
     def update(self, exp: Experience, algo: AlgoSection, train: TrainSection,
                step: int) -> dict[str, float]:
         return update_policy(self.model, self.optimizers, self.group,
-                             partial(later_logp, self), exp,
-                             algo, train, step, self.routing_replay)
+                             partial(later_logp, self), exp, algo, train, step,
+                             self.routing_replay)
 
     def release_caches(self) -> None:
         self.replayer.release_caches()

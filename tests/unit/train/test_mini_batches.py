@@ -38,7 +38,8 @@ def _update(policy, data, exp, config, parts: int):
     replayer = LocalEngine.from_tokenizer(model, data.tokenizer)
     optimizer = RecordingSGD(model.parameters(), lr=0.05)
     train = config.train.model_copy(update={"mini_batches": parts})
-    metrics = update_policy(model, [optimizer], SOLO, lambda e, rows: replayer.score(e.batch, e.sampling),
+    metrics = update_policy(model, [optimizer], SOLO,
+                            lambda e, rows: replayer.score(e.batch, e.sampling),
                             exp, config.algo, train, step=0)
     return optimizer.seen, metrics
 

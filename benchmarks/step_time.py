@@ -9,7 +9,8 @@ VM: 10-25% between runs) moves every arm alike and the ratios are read in one wi
         --arm int4:quant.scheme=w4a16-int4
 
 An arm is NAME:KEY=VALUE,KEY=VALUE (overrides of the recipe, `--recipe`, default `default`).
-Step 1 of each arm is a warm-up (first packs, first pushes) and is left out of the means;
+A recipe with SFT steps starts from its warm start, as `qarl train` does (trained first where
+the cache lacks it). Step 1 of each arm is a warm-up (first packs, first pushes) and is left out of the means;
 `contract` is the per-sync digest check's share of `sync` (docs/training.md). The
 JSON names the machine (CPU, ISA levels, threads) and the int8 GEMM chosen here; `ratio` is
 each arm's mean step against the first arm's.
@@ -46,6 +47,7 @@ def measure(recipe: str, arms: list[tuple[str, dict]], steps: int, tokens: int |
 
     from qarl.quant import SCHEMES
     from qarl.train.setup import open_run
+    from qarl.train.sft import warm_start
     from qarl.train.trainer import rl_step
 
     common = {"run.output_dir": out, "run.resume": False, "log.progress": False,
@@ -57,7 +59,8 @@ def measure(recipe: str, arms: list[tuple[str, dict]], steps: int, tokens: int |
         runs = []
         for name, overrides in arms:
             config = load_config(recipe, {**common, "run.name": name, **overrides})
-            _, policy, data = stack.enter_context(open_run(config))
+            # the recipe's SFT warm start (cached), as `qarl train` starts from it
+            _, policy, data = stack.enter_context(open_run(config, learner=warm_start(config)))
             if prepare is not None:
                 prepare(name, policy)
             policy.sync.push()

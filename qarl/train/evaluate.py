@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from qarl.algo.diagnostics import error_token_metrics
 from qarl.config import EvalSection, RunConfig
 from qarl.model import CausalLM
@@ -45,7 +47,7 @@ def generate_all(engine: LocalEngine, prompt_ids: list[list[int]], sampling: Sam
 def evaluate(policy: Policy, data: Data, config: RunConfig) -> dict[str, float]:
     """Accuracy and error-token rates on the eval examples: `eval/*_quantized` from the engine
     (the policy that is deployed), `eval/*_full_precision` from the master weights (unless
-    eval.full_precision is false). Reads the recipe's eval, run.seed and model.max_context."""
+    eval.full_precision is false), and each one's seconds, `time/eval_*`. Reads the recipe's eval, run.seed and model.max_context."""
     engines = {"quantized" if policy.quantized else "full_precision": policy.engine}
     if policy.quantized and config.eval.full_precision:
         engines["full_precision"] = LocalEngine.from_tokenizer(
@@ -55,6 +57,7 @@ def evaluate(policy: Policy, data: Data, config: RunConfig) -> dict[str, float]:
     metrics: dict[str, float] = {}
     grammar = getattr(data.task, "grammar_ok", None)
     for label, engine in engines.items():
+        began = time.perf_counter()
         batch = generate_all(engine, prompt_ids, eval_sampling(config.eval), seed=config.run.seed)
         result, completions = reward_responses(data.tokenizer, data.rewards, examples, batch,
                                                group_size=1)
@@ -64,4 +67,5 @@ def evaluate(policy: Policy, data: Data, config: RunConfig) -> dict[str, float]:
         errors = error_token_metrics(batch.response_ids, batch.response_mask, batch.finish_reasons,
                                      grammar_ok=verdicts)
         metrics.update({f"eval/{k}_{label}": v for k, v in errors.items()})
+        metrics[f"time/eval_{label}"] = time.perf_counter() - began  # generate + score
     return metrics

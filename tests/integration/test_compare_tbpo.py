@@ -31,6 +31,18 @@ def test_every_arm_of_the_recipe_is_valid():
     assert all(c.train.mini_batches == 2 for c in plan.configs.values())
 
 
+@pytest.mark.parametrize("recipe", ["tbpo", "tbpo_quick"])
+def test_unaligned_arms_take_logp_by_the_forward(recipe):
+    """The naive and fake arms take logp values from the learner's forward (the value verl and
+    TRL use, and the faster pass); the exact arms (kernel, full precision) keep the audited
+    decode-path replay, the only one the config accepts for them."""
+    plan = load_arms(recipe)
+    paths = {arm: c.train.logp_path for arm, c in plan.configs.items()}
+    exact = {"fp-grpo", "kernel-tbpo"}
+    assert {arm for arm, path in paths.items() if path == "decode"} == exact
+    assert all(paths[arm] == "forward" for arm in set(paths) - exact)
+
+
 def test_tbpo_acts_where_it_can(report):
     """Under `fake` alignment the learner's old_logp differs from the sampler's (rho != 1);
     under `kernel` it is exactly the sampler's (rho = 1, no band drop possible). With two

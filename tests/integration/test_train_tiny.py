@@ -48,6 +48,20 @@ def test_kernel_alignment_mismatch_is_exactly_zero(tiny_run):
     assert [r["mismatch/abs_diff_max"] for r in train_rows] == [0.0] * len(train_rows)
 
 
+def test_eval_rows_time_each_policy(tiny_run):
+    """Every evaluation row says how long each evaluated policy took (generate + score), one
+    `time/eval_*` per policy with an accuracy, so an eval's share of a run's wall is read off
+    metrics.jsonl."""
+    _, rows = tiny_run
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert len(evals) >= 2  # before and after
+    for row in evals:
+        policies = sorted(k[len("eval/accuracy_"):] for k in row if k.startswith("eval/accuracy_"))
+        timed = sorted(k[len("time/eval_"):] for k in row if k.startswith("time/eval_"))
+        assert timed == policies and policies, row
+        assert all(row[f"time/eval_{p}"] > 0 for p in policies)
+
+
 def test_run_leaves_its_artifacts(tiny_run, tmp_path):
     """A run folder holds the resolved config, metrics, a checkpoint and the summary."""
     summary, _ = tiny_run

@@ -91,12 +91,13 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_readme(text: str) -> None:
+def write_readme(text: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace README.md's block between the markers `begin` and `end` with `text`."""
     readme = README.read_text(encoding="utf-8")
-    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
     if not pattern.search(readme):
-        raise SystemExit(f"README.md has no {BEGIN} ... {END} block to replace")
-    README.write_text(pattern.sub(lambda _: f"{BEGIN}\n{text}\n{END}", readme), encoding="utf-8")
+        raise SystemExit(f"README.md has no {begin} ... {end} block to replace")
+    README.write_text(pattern.sub(lambda _: f"{begin}\n{text}\n{end}", readme), encoding="utf-8")
 
 
 def commit() -> str:

@@ -75,9 +75,9 @@ class TrainSection(BaseModel):
         "and the straight-through backward's GEMMs. Master weights, optimizer state and every "
         "logp value (old_logp, the ratio's numerator: the exact replay) stay as they are, so it "
         "changes gradients only, by bf16 rounding. 'auto': bfloat16 on CUDA and on CPUs with "
-        "AMX-BF16, float32 on other CPUs (with AVX512-BF16 alone a bf16 pass is no faster "
-        "than fp32 by oneDNN; without bf16 arithmetic it is emulated, slower). See "
-        "docs/training.md.")
+        "AMX-BF16, float32 on other CPUs (with AVX512-BF16 alone a bf16 pass gains 0-7% per "
+        "step over fp32 by oneDNN, measured on AMD Zen 4 and Zen 5; without bf16 arithmetic it "
+        "is emulated, slower). See docs/training.md.")
     logp_path: Literal[LOGP_PATHS] = Field(
         "decode", description="Where every logp value the losses read comes from (old_logp, "
         "and logp's value at each optimizer step after the first): 'decode', the learner's "

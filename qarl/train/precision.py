@@ -31,8 +31,9 @@ from qarl.quant import kernels as K
 def resolve_compute_dtype(requested: str, device: torch.device) -> torch.dtype:
     """train.compute_dtype as a torch dtype on `device` ('auto': bf16 on CUDA and on CPUs with
     AMX-BF16, where a bf16 GEMM is several times an fp32 one; float32 on other CPUs, where
-    it is as fast or faster: with AVX512-BF16 alone (AMD Zen 5) the default run took 81-85 s
-    per seed in fp32 by oneDNN and 83-99 s in bf16, docs/training.md)."""
+    it is about as fast: with AVX512-BF16 alone the default run took 81-85 s per seed in fp32 by
+    oneDNN and 83-99 s in bf16 on AMD Zen 5, 126 vs 122 s on Zen 4, and recipes/tbpo.toml's
+    longer rows 40.4 vs 37.6 s per step on Zen 4: docs/training.md)."""
     if requested == "auto":
         fast = device.type == "cuda" or (device.type == "cpu" and has_amx_bf16())
         return torch.bfloat16 if fast else torch.float32
@@ -111,7 +112,7 @@ def describe_compute(dtype: torch.dtype, requested: str,
     if dtype == torch.bfloat16:
         why = "bf16 on CUDA" if device.type == "cuda" else "bf16 on a CPU with AMX-BF16"
     elif has_bf16_math():
-        why = "fp32 on a CPU whose bf16 arithmetic has no AMX: no faster than fp32 here"
+        why = "fp32 on a CPU whose bf16 arithmetic has no AMX: bf16 gains little here"
     else:
         why = "fp32 on a CPU without bf16 arithmetic"
     return f"{name} (train.compute_dtype = 'auto': {why})"

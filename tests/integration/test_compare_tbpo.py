@@ -61,11 +61,17 @@ def test_tbpo_acts_where_it_can(report):
 
 
 def test_the_shipped_budgets_flag_no_step(report, tmp_path_factory):
-    """Every step of every arm (fake int4 mismatch > 0, kernel = 0) is within the mismatch
-    budget shipped for its (scheme, align, engine): contract/over_budget = 0."""
+    """Every step of an arm on the decode path (kernel: mismatch 0) is within the mismatch
+    budget shipped for its (scheme, align, engine): contract/over_budget = 0. The arms whose
+    logp comes from the forward (fake) have no budget at all: budgets are measured on the
+    decode path, so none is logged rather than a wrong one."""
     table, _ = report
     for arm in ARMS.split(","):
         rows = [json.loads(line) for line in (table["folder"] / arm / "seed0" / "metrics.jsonl")
                 .read_text().splitlines()]
-        flags = [r["contract/over_budget"] for r in rows if r.get("kind") == "train"]
-        assert flags == [0.0, 0.0, 0.0], arm
+        train = [r for r in rows if r.get("kind") == "train"]
+        assert len(train) == 3, arm
+        if arm.startswith("fake"):
+            assert not any(k.startswith("contract/") and "budget" in k for r in train for k in r)
+        else:
+            assert [r["contract/over_budget"] for r in train] == [0.0, 0.0, 0.0], arm

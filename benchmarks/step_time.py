@@ -10,9 +10,9 @@ VM: 10-25% between runs) moves every arm alike and the ratios are read in one wi
 
 An arm is NAME:KEY=VALUE,KEY=VALUE (overrides of the recipe, `--recipe`, default `default`).
 A recipe with SFT steps starts from its warm start, as `qarl train` does (trained first where
-the cache lacks it). Step 1 of each arm is a warm-up (first packs, first pushes) and is left out of the means;
-`contract` is the per-sync digest check's share of `sync` (docs/training.md). The
-JSON names the machine (CPU, ISA levels, threads) and the int8 GEMM chosen here; `ratio` is
+the cache lacks it). Step 1 of each arm is a warm-up (first packs, first pushes) and is left
+out of the means; `contract` is the per-sync digest check's share of `sync`
+(docs/training.md). The JSON names the machine (CPU, ISA levels, threads) and the int8 GEMM chosen here; `ratio` is
 each arm's mean step against the first arm's.
 """
 

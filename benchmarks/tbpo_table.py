@@ -23,17 +23,18 @@ NAMES = {"fp-grpo": "full-precision GRPO (reference)", "fake-grpo": "`fake` + GR
          "fake-grpo-tis": "`fake` + GRPO + token TIS", "fake-gspo": "`fake` + GSPO",
          "fake-tbpo": "`fake` + TBPO", "naive-grpo": "`naive` + GRPO",
          "naive-tbpo": "`naive` + TBPO", "kernel-tbpo": "`kernel` + TBPO (exact alignment)"}
-# (column, compare.json figure, format): means over seeds of each run's figure
-COLUMNS = [("master", "accuracy_master", "{:.2f}"), ("mean \\|Δlogp\\|", "abs_diff_mean", "{:.4f}"),
-           ("clipped", "clip_frac", "{:.3f}"), ("(A < 0)", "clip_frac_neg", "({:.3f})"),
-           ("band drops", "band_drop", "{:.3f}"), ("garbled", "garbled", "{:.3f}"),
-           ("low-prob tokens", "lowprob_tokens", "{:.4f}"),
-           ("repeated 4-grams", "rep_ngram", "{:.3f}"), ("truncated", "truncated", "{:.3f}"),
-           ("s/step", "time_step", "{:.1f}")]
+# (column, compare.json figures, format of their means over seeds)
+COLUMNS = [("master", ("accuracy_master",), "{:.2f}"),
+           ("mean \\|Δlogp\\|", ("abs_diff_mean",), "{:.4f}"),
+           ("clipped (A < 0)", ("clip_frac", "clip_frac_neg"), "{:.3f} ({:.3f})"),
+           ("band drops", ("band_drop",), "{:.3f}"), ("garbled", ("garbled",), "{:.3f}"),
+           ("low-prob tokens", ("lowprob_tokens",), "{:.4f}"),
+           ("repeated 4-grams", ("rep_ngram",), "{:.3f}"), ("truncated", ("truncated",), "{:.3f}"),
+           ("s/step", ("time_step",), "{:.1f}")]
 
 
 def figures(table: dict) -> dict:
-    """{arm: {"deployed": [per seed], "half_range": .., "mean": .., figure: mean}}."""
+    """{arm: {"seeds", "deployed": [per seed], "mean", "half_range", figure: mean, ...}}."""
     out = {}
     for arm, entry in table["arms"].items():
         figs = entry["figures"]
@@ -41,19 +42,21 @@ def figures(table: dict) -> dict:
         out[arm] = {"seeds": entry["seeds"], "deployed": deployed,
                     "mean": sum(deployed) / len(deployed),
                     "half_range": (max(deployed) - min(deployed)) / 2,
-                    **{key: figs[key]["mean"] for _, key, _ in COLUMNS}}
+                    **{key: figs[key]["mean"] for _, keys, _ in COLUMNS for key in keys}}
     return out
 
 
 def markdown(rows: dict) -> str:
-    head = ["arm", "deployed (seeds " + " / ".join(map(str, next(iter(rows.values()))["seeds"]))
-            + ")", "master", "mean \\|Δlogp\\|", "clipped (A < 0)", *(c for c, _, _ in COLUMNS[4:])]
+    seeds = " / ".join(map(str, next(iter(rows.values()))["seeds"]))
+    head = ["arm", f"deployed (seeds {seeds})", *(label for label, _, _ in COLUMNS)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm, row in rows.items():
-        seeds = " / ".join(f"{v:g}" for v in row["deployed"])
-        cells = [NAMES.get(arm, f"`{arm}`"), f"{row['mean']:.3f} ± {row['half_range']:.3f} ({seeds})"]
-        values = ["-" if row[key] is None else fmt.format(row[key]) for _, key, fmt in COLUMNS]
-        cells += [*values[:2], f"{values[2]} {values[3]}", *values[4:]]
+        values = " / ".join(f"{v:g}" for v in row["deployed"])
+        cells = [NAMES.get(arm, f"`{arm}`"),
+                 f"{row['mean']:.3f} ± {row['half_range']:.3f} ({values})"]
+        for _, keys, fmt in COLUMNS:  # '-' where the arm has no such figure (GRPO: no band)
+            means = [row[key] for key in keys]
+            cells.append("-" if None in means else fmt.format(*means))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -47,7 +47,8 @@ def generate_all(engine: LocalEngine, prompt_ids: list[list[int]], sampling: Sam
 def evaluate(policy: Policy, data: Data, config: RunConfig) -> dict[str, float]:
     """Accuracy and error-token rates on the eval examples: `eval/*_quantized` from the engine
     (the policy that is deployed), `eval/*_full_precision` from the master weights (unless
-    eval.full_precision is false), and each one's seconds, `time/eval_*`. Reads the recipe's eval, run.seed and model.max_context."""
+    eval.full_precision is false), and each one's seconds, `time/eval_*`. Reads the recipe's
+    eval, run.seed and model.max_context."""
     engines = {"quantized" if policy.quantized else "full_precision": policy.engine}
     if policy.quantized and config.eval.full_precision:
         engines["full_precision"] = LocalEngine.from_tokenizer(

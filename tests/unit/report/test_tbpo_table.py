@@ -14,7 +14,7 @@ import tbpo_table  # noqa: E402
 
 
 def _figures(deployed, band_drop):
-    means = {key: 0.5 for _, key, _ in tbpo_table.COLUMNS}
+    means = {key: 0.5 for _, keys, _ in tbpo_table.COLUMNS for key in keys}
     means.update(band_drop=band_drop, abs_diff_mean=0.00283, time_step=41.25)
     figs = {key: {"mean": value, "values": []} for key, value in means.items()}
     figs["accuracy_deployed"] = {"mean": sum(deployed) / len(deployed), "values": deployed}

@@ -34,6 +34,7 @@ from qarl.model import CausalLM
 from qarl.rollout import LocalEngine
 from qarl.train.logprobs import ForwardScorer, response_logprobs
 from qarl.train.phases import Experience
+from qarl.train.precision import resolve_compute_dtype
 from qarl.train.update import SOLO, Collectives, update_policy
 from qarl.types import RolloutBatch, SamplingParams
 
@@ -78,6 +79,19 @@ def later_logp(learner: AlignedLearner, exp: Experience, rows: range) -> Tensor:
     return learner.replay(exp.batch, exp.sampling)[0]
 
 
+def own_forward_values(learner: AlignedLearner, train: TrainSection) -> bool:
+    """Whether an optimizer step after the first takes logp's value from its own gradient
+    forward: where `learner`'s logp values come from a ForwardScorer whose bits that forward
+    computes (`ForwardScorer.is_gradient_pass`), a second forward without grad would repeat
+    it (TRL likewise reads the training forward's logprobs)."""
+    if not isinstance(learner, AlignedLearner):
+        return False  # an FSDP rank's forward runs on shards: rank 0 scores again
+    replayer = learner.replayer
+    compute = resolve_compute_dtype(train.compute_dtype, next(learner.model.parameters()).device)
+    return (isinstance(replayer, ForwardScorer)
+            and replayer.is_gradient_pass(compute, train.micro_batch_size))
+
+
 class AlignedLearner:
     """The learner of one process (or one replicated rank, with its `group`): master weights
     in `model` (QuantLinear layers in the align mode), trained by `optimizers`; `replayer` is
@@ -101,9 +115,9 @@ class AlignedLearner:
 
     def update(self, exp: Experience, algo: AlgoSection, train: TrainSection,
                step: int) -> dict[str, float]:
-        return update_policy(self.model, self.optimizers, self.group,
-                             partial(later_logp, self), exp, algo, train, step,
-                             self.routing_replay)
+        exact = None if own_forward_values(self, train) else partial(later_logp, self)
+        return update_policy(self.model, self.optimizers, self.group, exact, exp, algo, train,
+                             step, self.routing_replay)
 
     def release_caches(self) -> None:
         self.replayer.release_caches()

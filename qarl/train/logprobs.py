@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from qarl.model.cache import SharedPrefixCache
 from qarl.model.decoder import CausalLM, Routing, positions_from_mask
+from qarl.quant.lora import lora_names
 from qarl.rollout.sampling import token_logprobs
 from qarl.train.precision import gradient_pass, lm_head_logits
 from qarl.types import RolloutBatch, SamplingParams
@@ -157,6 +158,17 @@ class ForwardScorer:
                 logp[start:stop] = response_logprobs(self.model, sub, sampling.temperature,
                                                      routing_replay=replay)[0]
         return logp
+
+    def is_gradient_pass(self, compute: torch.dtype, micro_batch_size: int) -> bool:
+        """Whether the update's gradient forward computes this scorer's bits, so that an
+        optimizer step after the first takes logp's value from that forward instead of a
+        second one without grad (`Learner.update`): an fp32 gradient pass (train.compute_dtype)
+        split as this scorer splits (`rows` = train.micro_batch_size), on a learner without
+        LoRA adapters (whose product takes the native kernel only without grad). The fake and
+        naive layers run one function with grad and without (tests/integration/
+        test_logp_path.py holds them to the bit)."""
+        return (compute == torch.float32 and micro_batch_size == self.rows
+                and not lora_names(self.model))
 
     def release_caches(self) -> None:
         """Nothing is cached across weight versions."""

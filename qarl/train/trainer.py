@@ -31,6 +31,7 @@ from qarl.train.guards import (
 )
 from qarl.parallel.ranks import LearnerRankDied
 from qarl.train.follow import learner_on_ranks
+from qarl.train.learner import own_forward_values
 from qarl.train.metrics import MetricsLogger
 from qarl.train.monitors import Monitors
 from qarl.train.phases import (
@@ -169,10 +170,14 @@ class Loop:
                        + describe_compute(resolve_compute_dtype(requested, device), requested,
                                         device))
         if self.config.train.logp_path == "forward":
-            self.log.write("logp values (old_logp and every later optimizer step's): the "
+            later = ("read from its own gradient forward, which computes the same bits"
+                     if own_forward_values(getattr(self.policy.learner, "inner",  # ranks
+                                                   self.policy.learner), self.config.train)
+                     else "that forward again")
+            self.log.write("logp values (train.logp_path = 'forward'): old_logp by the "
                            "learner's teacher-forced forward without grad, "
-                           f"{self.config.train.micro_batch_size} rows at a time "
-                           "(train.logp_path = 'forward'), not the decode-path replay")
+                           f"{self.config.train.micro_batch_size} rows at a time, not the "
+                           f"decode-path replay; each later optimizer step's: {later}")
         self.rng = checkpoint.capture_rng()  # the state a checkpoint of `done` steps holds
 
     def run(self) -> tuple[dict | None, dict]:

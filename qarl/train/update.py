@@ -114,7 +114,7 @@ def mini_batches(n: int, parts: int) -> list[range]:
 
 
 def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-                  group: Collectives, exact: Callable[[Experience, range], Tensor],
+                  group: Collectives, exact: Callable[[Experience, range], Tensor] | None,
                   exp: Experience, algo: AlgoSection, train: TrainSection, step: int,
                   routing_replay: bool = False) -> dict[str, float]:
     """Train `module` with `optimizers` on `exp` (module docstring): `algo.epochs` passes over
@@ -123,7 +123,9 @@ def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
     whole batch, or the teacher-forced forward of `rows`' micro-batches: train.logp_path)
     with the current weights, [N, L] float32 of which the optimizer step of `rows` reads its
     rows: the value of logp at every optimizer step after the first (the
-    first uses exp.old_logp, the same value, since the weights have not moved yet)."""
+    first uses exp.old_logp, the same value, since the weights have not moved yet). None:
+    that pass is the gradient forward itself (`ForwardScorer.is_gradient_pass`), so a later
+    step takes logp's value from its own forward and runs no second one."""
     lr = learning_rate(step, train.steps, train.lr, train.min_lr, train.warmup_steps, train.lr_schedule)
     if not bool(exp.advantages[exp.rows].any()):
         # Every loss is advantage-weighted: its gradient is exactly 0, so nothing to compute.
@@ -149,8 +151,9 @@ def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
             # amplify that to ~0.1 nats), or with train.logp_path = 'forward' the teacher-
             # forced forward of this step's micro-batches, split as old_logp's was. At the
             # first step the learner is still the policy old_logp came from; every later step
-            # runs that pass once with the weights the steps before it left.
-            values = exp.old_logp if steps == 0 else exact(exp, rows)
+            # runs that pass once with the weights the steps before it left (or, where the
+            # gradient forward computes its bits, reads that forward's own value: None).
+            values = exp.old_logp if steps == 0 else None if exact is None else exact(exp, rows)
             steps += 1
             entropy_sum, entropy_count, finite = accumulate_gradients(
                 module, exp, values, algo, correction, {**params, **counts[rows]}, rows,
@@ -180,7 +183,7 @@ def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
     return totals
 
 
-def accumulate_gradients(module: torch.nn.Module, exp: Experience, exact: Tensor,
+def accumulate_gradients(module: torch.nn.Module, exp: Experience, exact: Tensor | None,
                          algo: AlgoSection, correction: Correction, params: dict, rows: range,
                          micro_batch_size: int, group: Collectives, totals: dict[str, float],
                          routing_replay: bool = False,
@@ -190,16 +193,18 @@ def accumulate_gradients(module: torch.nn.Module, exp: Experience, exact: Tensor
     `totals`. Returns (entropy sum, response tokens, every loss finite); stops at the first
     non-finite loss, except where every rank must run every backward (`group.lockstep`: the
     step is dropped all the same). `compute`: the gradient pass's dtype
-    (qarl.train.precision); logp's value is `exact`'s."""
+    (qarl.train.precision); logp's value is `exact`'s (None: the gradient forward's own)."""
     batch, N = exp.batch, exp.batch.num_sequences
+    device = exp.old_logp.device
     entropy_sum, entropy_count, finite = 0.0, 0, True
     for start in group.micro_batches(range(rows.start, rows.stop, micro_batch_size)):
-        idx = torch.arange(start, min(rows.stop, start + micro_batch_size), device=exact.device)
+        idx = torch.arange(start, min(rows.stop, start + micro_batch_size), device=device)
         sub = batch.select(idx)
-        with gradient_pass(compute, exact.device):
+        with gradient_pass(compute, device):
             fast, entropy = response_logprobs(module, sub, exp.sampling.temperature,
                                               routing_replay=routing_replay)
-        logp = aligned_logprobs(fast, exact[idx])  # value: exact; gradient: fast
+        # value: exact; gradient: fast
+        logp = fast if exact is None else aligned_logprobs(fast, exact[idx])
         loss, metrics = LOSSES[algo.loss](
             logp, exp.old_logp[idx], sub.rollout_logp, exp.advantages[idx], correction.mask[idx],
             is_weights=correction.weights[idx], **params,

@@ -4,6 +4,7 @@ forward (`qarl.train.logprobs.ForwardScorer`) instead of the decode-path replay.
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from qarl.config import ConfigError, load_config
+from qarl.quant import SCHEMES
 from qarl.rollout import LocalEngine
 from qarl.train.logprobs import ForwardScorer, response_logprobs
 from qarl.train.phases import Experience
@@ -19,7 +21,7 @@ from qarl.train.setup import open_run, sampling_params
 from qarl.train.sft import warm_start
 from qarl.train import train
 from qarl.train.checkpoint import latest
-from qarl.train.learner import later_logp
+from qarl.train.learner import AlignedLearner, later_logp, own_forward_values
 from qarl.train.trainer import rl_step
 from qarl.train.update import SOLO, update_policy
 from rank_weights import assert_weights_agree
@@ -39,13 +41,18 @@ def _batch(policy, data, config):
     return policy.engine.generate(prompts, sampling, seed=3), sampling
 
 
-@pytest.mark.parametrize("align", ["fake", "naive"])
-def test_forward_values_are_the_gradient_pass_values(tmp_path, align):
+QUANTIZED = [name for name, scheme in SCHEMES.items() if not scheme.is_identity]
+
+
+@pytest.mark.parametrize("align, scheme", [("naive", "w8a8-int8")]
+                         + [("fake", name) for name in QUANTIZED])
+def test_forward_values_are_the_gradient_pass_values(tmp_path, align, scheme):
     """The learner's replay is a ForwardScorer: its values are those the fp32 gradient pass
     computes on each micro-batch (so at the first optimizer step logp's value and the function
-    its gradient comes from agree to the bit), the same on every call, and not the decode
-    path's: the two passes round differently, by a small amount against the sampler's."""
-    config = _config(tmp_path, **{"quant.align": align})
+    its gradient comes from agree to the bit, and a later step may read its own forward's:
+    `ForwardScorer.is_gradient_pass`), for every format, the same on every call, and not the
+    decode path's: the two passes round differently, by a small amount against the sampler's."""
+    config = _config(tmp_path, **{"quant.align": align, "quant.scheme": scheme})
     with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
         assert isinstance(policy.learner.replayer, ForwardScorer)
         batch, sampling = _batch(policy, data, config)
@@ -95,6 +102,45 @@ def test_a_later_optimizer_step_takes_its_value_from_the_same_pass(tmp_path):
     assert not values[:4].any()  # the forward ran on the step's own micro-batch only
     assert not torch.equal(decode[mask], old[mask])
     assert metrics["loss/clip_frac"] == 0.0 and metrics["loss/seq_ratio_max"] == 1.0
+
+
+def _update(policy, exp, config, rescore: bool):
+    """The weights one update at lr 1e-3 leaves on a copy of `policy`'s learner: a later step's
+    logp value by its own gradient forward, or (`rescore`) by a second forward without grad."""
+    model = copy.deepcopy(policy.learner.model)
+    learner = AlignedLearner(model, [torch.optim.AdamW(model.parameters(), lr=1e-3)],
+                             ForwardScorer(model, config.train.micro_batch_size))
+    exact = partial(later_logp, learner) if rescore else None
+    train = config.train.model_copy(update={"lr": 1e-3})
+    update_policy(model, learner.optimizers, SOLO, exact, exp, config.algo, train, step=0)
+    return model.state_dict()
+
+
+def test_a_later_step_reading_its_own_forward_is_the_same_update(tmp_path, monkeypatch):
+    """Where the gradient forward computes the scorer's bits, the learner's update runs no
+    second forward for the second mini-batch (it reads the gradient forward's own value) and
+    the weights it leaves are those of the update that ran it, to the bit; a bf16 gradient pass
+    or a LoRA learner (whose forwards differ with and without grad) scores again."""
+    config = _config(tmp_path, **{"train.mini_batches": 2, "algo.loss": "tbpo"})
+    with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
+        learner = policy.learner
+        batch, sampling = _batch(policy, data, config)
+        exp = Experience(batch, sampling, learner.replay(batch, sampling)[0],
+                         torch.tensor([1.0, -1.0, 0.5, -0.5] * 2), torch.ones(8, dtype=torch.bool))
+        assert own_forward_values(learner, config.train)
+        scored = []
+        monkeypatch.setattr(ForwardScorer, "score_part", lambda self, *a, **k: scored.append(1))
+        learner.update(exp, config.algo, config.train, step=0)
+        assert scored == []  # the second mini-batch's value came from its own forward
+        monkeypatch.undo()
+        own, rescored = (_update(policy, exp, config, rescore) for rescore in (False, True))
+        bf16 = config.train.model_copy(update={"compute_dtype": "bfloat16"})
+        assert not own_forward_values(learner, bf16)
+    assert own.keys() == rescored.keys()
+    assert all(torch.equal(own[k], rescored[k]) for k in own)
+    lora = _config(tmp_path, **{"lora.rank": 4, "run.name": "lora"})
+    with open_run(lora, learner=copy.deepcopy(warm_start(lora))) as (_, policy, _):
+        assert not own_forward_values(policy.learner, lora.train)
 
 
 def test_a_fake_step_with_forward_values(tmp_path):

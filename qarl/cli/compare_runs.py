@@ -1,8 +1,8 @@
 """Running the arm/seed runs of `qarl compare` as `qarl train` subprocesses.
 
 Each run is `python -m qarl.cli train RECIPE <overrides> <arm's overrides> --run.seed=K
---run.output_dir=FOLDER/ARM --run.name=seedK`, so its folder is exactly what `qarl train`
-writes, and a killed run resumes from its checkpoint when started again (run.resume). A run
+--run.output_dir=FOLDER/ARM --run.name=seedK --eval.cache_dir=FOLDER/eval-cache`, so its
+folder is exactly what `qarl train` writes (and evaluations the runs share are run once), and a killed run resumes from its checkpoint when started again (run.resume). A run
 with a summary.json is finished and not started again. With `jobs` runs at once, each gets
 cores // jobs threads (OMP_NUM_THREADS, which torch and the native kernels follow).
 
@@ -77,10 +77,14 @@ def qarl_command(verb: str, plan: ArmPlan, arm: str, overrides: dict) -> list[st
 
 def train_command(plan: ArmPlan, run: ArmRun) -> list[str]:
     """The `qarl train` command line of one run: the arm's overrides, the command line's,
-    then the run's seed and folder."""
+    then the run's seed and folder, and (unless the recipe names one) the comparison's
+    eval.cache_dir, FOLDER/eval-cache: runs that evaluate one policy the same way (step 0 of
+    the arms that share a warm start and engine) evaluate it once."""
+    shared = {} if plan.configs[run.arm].eval.cache_dir else {
+        "eval.cache_dir": str(plan.folder / "eval-cache")}
     return qarl_command("train", plan, run.arm, {
         "run.seed": run.seed, "run.output_dir": str(run.folder.parent),
-        "run.name": run.folder.name})
+        "run.name": run.folder.name, **shared})
 
 
 @dataclass

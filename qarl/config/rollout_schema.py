@@ -122,3 +122,10 @@ class EvalSection(BaseModel):
         description="Also evaluate the unquantized master weights (the gap shows what "
         "quantization costs the trained policy).",
     )
+    cache_dir: str = Field(
+        "", description="A folder that keeps each evaluation under the digest of what it "
+        "depends on (the weights the engine serves and its kernels, the prompts, sampling, "
+        "seed, task, qarl's code, the machine); an evaluation with the same digest is read from "
+        "it instead of run, and logged as eval/shared_* = 1. `qarl compare` sets it to "
+        "FOLDER/eval-cache for its runs, so arms that start from one warm start evaluate step 0 "
+        "once per seed. Empty: every evaluation runs. qarl's own engine only.")

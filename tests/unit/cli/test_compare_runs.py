@@ -19,7 +19,8 @@ from qarl.config import load_arms, load_config, parse_overrides
 
 def test_train_command_gives_the_arm_config(tmp_path):
     """Each run's command line, read back as `qarl train` reads it, is the arm's config with
-    the run's seed and folder FOLDER/ARM/seedK (command-line overrides after the arm's)."""
+    the run's seed and folder FOLDER/ARM/seedK (command-line overrides after the arm's) and
+    the comparison's shared eval cache FOLDER/eval-cache, unless the recipe names one."""
     plan = load_arms("tiny", ["--train.steps=2", f"--run.output_dir={tmp_path}",
                               "--compare.seeds=[3, 4]"], arms=["naive", "fp"])
     runs = plan_runs(plan)
@@ -32,8 +33,13 @@ def test_train_command_gives_the_arm_config(tmp_path):
     config = load_config(command[4], parse_overrides(command[5:]))
     assert config.run.seed == 4 and config.run.name == "seed4"
     assert config.run.output_dir == str(tmp_path / "tiny" / "naive")
-    assert config.model_copy(update={"run": plan.configs["naive"].run}) == plan.configs["naive"]
+    assert config.eval.cache_dir == str(tmp_path / "tiny" / "eval-cache")
+    same = {"run": plan.configs["naive"].run, "eval": plan.configs["naive"].eval}
+    assert config.model_copy(update=same) == plan.configs["naive"]
     assert config.quant.align == "naive" and config.train.steps == 2
+    own = load_arms("tiny", [f"--run.output_dir={tmp_path}", "--eval.cache_dir=/elsewhere"])
+    command = train_command(own, plan_runs(own)[0])
+    assert load_config(command[4], parse_overrides(command[5:])).eval.cache_dir == "/elsewhere"
 
 
 def test_threads_are_split_between_jobs():

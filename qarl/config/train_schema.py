@@ -85,8 +85,10 @@ class TrainSection(BaseModel):
         "shape (exact under kernel alignment and full-precision rollouts: old_logp equals the "
         "sampler's bit for bit); 'forward', the learner's teacher-forced forward without grad, "
         "micro_batch_size rows at a time (the pass verl's compute_log_prob and TRL take; a "
-        "little cheaper than a decode-path replay, and a later step runs it on its own rows "
-        "only), for naive and fake alignment only, where no pass "
+        "little cheaper than a decode-path replay; a later step reads the value of its own "
+        "gradient forward, the same bits, where the gradient pass is fp32 and no LoRA "
+        "adapter trains, and else runs it on its own rows), for naive and fake alignment "
+        "only, where no pass "
         "of the learner is exact. docs/training.md.")
     device: str = Field(
         "cpu", description="Where the learner (master weights, optimizer state, gradients), "

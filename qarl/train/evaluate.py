@@ -71,14 +71,20 @@ def code_digest() -> str:
 def eval_key(engine: LocalEngine, prompt_ids: list[list[int]], sampling: SamplingParams,
              seed: int, config: RunConfig) -> str:
     """The digest of everything one policy's evaluation depends on: the engine's weights
-    (`weight_digests`: every tensor, and the codes and scales a quantized layer decodes with),
+    (`weight_digests`: every tensor, and the codes and scales a quantized layer decodes with,
+    not the master weight such a layer may still hold),
     each quantized layer's kernel, its stop and pad ids and context, the prompts, sampling and
     seed, the task (its reward and grammar), qarl's code and the machine (ISA, threads, torch)."""
     from qarl.native import machine
     from qarl.quant.apply import quant_layers
+    from qarl.quant.contract import CODES_SUFFIX
 
+    held = engine.weight_digests()[0]
+    # a quantized layer decodes with its codes: a master weight it still holds (a naive
+    # learner's engine quantizes what it is sent) changes nothing it generates
+    decoded = {k: v for k, v in held.items() if f"{k}{CODES_SUFFIX}" not in held}
     material = {
-        "weights": engine.weight_digests(),
+        "weights": decoded,
         "kernels": sorted({layer.kernel_path() for layer in quant_layers(engine.model).values()}),
         "engine": [engine.eos_token_ids, engine.pad_token_id, engine.max_context],
         "prompts": prompt_ids, "sampling": dataclasses.asdict(sampling), "seed": seed,

@@ -54,16 +54,20 @@ def test_the_same_policy_evaluated_again_is_read_and_equals_a_run(tmp_path):
 
 def test_two_runs_from_one_start_share_their_first_evaluation(tmp_path):
     """Two runs that differ only in their loss evaluate step 0 once: the second run's step-0
-    row is read from the cache and equals the first's, its final one runs; a run without the
-    cache gets the same step-0 figures."""
+    row is read from the cache and equals the first's, its final one runs; so does a naive
+    learner's (its engine quantizes the same weights into the same codes, and keeps the
+    master weights it was sent, which it never decodes with); a run without the cache gets
+    the same step-0 figures."""
     rows = {}
     for name, extra in (("grpo", {"algo.loss": "grpo"}), ("tbpo", {"algo.loss": "tbpo"}),
+                        ("naive", {"quant.align": "naive"}),
                         ("alone", {"algo.loss": "tbpo", "eval.cache_dir": ""})):
         config = _config(tmp_path, name, **{"train.steps": 1, **extra})
         train(config)
         rows[name] = [r for r in read_metrics(tmp_path / name / "metrics.jsonl")
                       if r["kind"] == "eval"]
-    first, second, alone = (rows[n][0] for n in ("grpo", "tbpo", "alone"))
-    assert "eval/shared_quantized" not in first and second["eval/shared_quantized"] == 1.0
-    assert _values(second) == _values(first) == _values(alone)
+    first, second, naive, alone = (rows[n][0] for n in ("grpo", "tbpo", "naive", "alone"))
+    assert "eval/shared_quantized" not in first
+    assert second["eval/shared_quantized"] == naive["eval/shared_quantized"] == 1.0
+    assert _values(second) == _values(first) == _values(naive) == _values(alone)
     assert "eval/shared_quantized" not in rows["tbpo"][-1]  # trained weights: a new digest

@@ -16,9 +16,12 @@ import time
 from functools import cache
 from pathlib import Path
 
+import torch
+
 from qarl.algo.diagnostics import error_token_metrics
 from qarl.config import EvalSection, RunConfig
 from qarl.model import CausalLM
+from qarl.model.decoder import rope_inverse_frequencies
 from qarl.quant.lora import lora_names, merged_weights
 from qarl.rollout import LocalEngine
 from qarl.train.phases import reward_metrics, reward_responses
@@ -29,19 +32,30 @@ EVAL_CHUNK = 64  # prompts per generate call: bounds the KV cache at eval time
 
 
 def full_precision_copy(learner: CausalLM) -> CausalLM:
-    """A plain CausalLM holding the learner's master weights (no quantization anywhere); a
-    LoRA learner's with each adapter merged into its layer's weight (W + (alpha / r) B A)."""
+    """A plain CausalLM over the learner's master weights (no quantization anywhere); a LoRA
+    learner's with each adapter merged into its layer's weight (W + (alpha / r) B A).
+
+    Its parameters share the masters' storage instead of copying them: evaluation only reads
+    them (its engine packs what it decodes with), and a copy would put 0.54 GB for
+    smollm2-135m on top of the optimizer state, making the run's final evaluation its peak
+    (docs/training.md, "Memory"). Built on the meta device, so no weights are initialized
+    only to be replaced."""
     weight = learner.model.embed_tokens.weight
-    plain = CausalLM(learner.config).to(device=weight.device, dtype=weight.dtype)
+    with torch.device("meta"):
+        plain = CausalLM(learner.config)
+    plain.inv_freq = rope_inverse_frequencies(learner.config).to(weight.device)
     adapters = set(lora_names(learner))
     masters = {name: p.detach() for name, p in learner.named_parameters() if name not in adapters}
     masters.update(merged_weights(learner))
-    missing, unexpected = plain.load_state_dict(masters, strict=False)
-    missing = [n for n in missing if not (n == "lm_head.weight" and learner.config.tie_word_embeddings)]
+    missing, unexpected = plain.load_state_dict(masters, strict=False, assign=True)
+    tied = learner.config.tie_word_embeddings
+    missing = [n for n in missing if not (n == "lm_head.weight" and tied)]
     if missing or unexpected:
         raise RuntimeError(f"master weights do not map onto the plain model: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}")
-    return plain.eval()
+    if tied:  # assign replaced the embedding's Parameter: the head takes the new one
+        plain.lm_head.weight = plain.model.embed_tokens.weight
+    return plain.requires_grad_(False).eval()
 
 
 def eval_sampling(eval_cfg: EvalSection) -> SamplingParams:
@@ -115,17 +129,22 @@ def evaluate(policy: Policy, data: Data, config: RunConfig) -> dict[str, float]:
     eval.full_precision is false), and each one's seconds, `time/eval_*`; `eval/shared_*` = 1
     where eval.cache_dir held that evaluation (module docstring). Reads the recipe's eval,
     run.seed, task and model.max_context."""
-    engines = {"quantized" if policy.quantized else "full_precision": policy.engine}
+    # the full-precision engine is built when its turn comes, after the deployed engine's
+    # evaluation, whose packs a local engine drops first (`release_caches`; the next generate
+    # rebuilds them): the two engines' packs are never held at once
+    engines = {"quantized" if policy.quantized else "full_precision": lambda: policy.engine}
     if policy.quantized and config.eval.full_precision:
-        engines["full_precision"] = LocalEngine.from_tokenizer(
-            full_precision_copy(policy.learner.model), data.tokenizer, max_context=config.model.max_context)
+        engines["full_precision"] = lambda: LocalEngine.from_tokenizer(
+            full_precision_copy(policy.learner.model), data.tokenizer,
+            max_context=config.model.max_context)
     examples = data.eval_examples
     prompt_ids = data.prompts.encode_prompts(examples)
     metrics: dict[str, float] = {}
     grammar = getattr(data.task, "grammar_ok", None)
     sampling = eval_sampling(config.eval)
-    for label, engine in engines.items():
+    for label, build in engines.items():
         began = time.perf_counter()
+        engine = build()
         path = None
         if config.eval.cache_dir and isinstance(engine, LocalEngine):
             key = eval_key(engine, prompt_ids, sampling, config.run.seed, config)
@@ -147,4 +166,6 @@ def evaluate(policy: Policy, data: Data, config: RunConfig) -> dict[str, float]:
         _write_shared(path, own)
         metrics.update({f"eval/{k}_{label}": v for k, v in own.items()})
         metrics[f"time/eval_{label}"] = time.perf_counter() - began  # generate + score
+        if len(engines) > 1 and engine is policy.engine and isinstance(engine, LocalEngine):
+            engine.release_caches()  # this process's memory: the full-precision engine's next
     return metrics

@@ -167,5 +167,5 @@ def evaluate(policy: Policy, data: Data, config: RunConfig) -> dict[str, float]:
         metrics.update({f"eval/{k}_{label}": v for k, v in own.items()})
         metrics[f"time/eval_{label}"] = time.perf_counter() - began  # generate + score
         if len(engines) > 1 and engine is policy.engine and isinstance(engine, LocalEngine):
-            engine.release_caches()  # this process's memory: the full-precision engine's next
+            engine.release_caches()  # before the full-precision engine packs its weights
     return metrics

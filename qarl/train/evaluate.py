@@ -16,12 +16,10 @@ import time
 from functools import cache
 from pathlib import Path
 
-import torch
-
 from qarl.algo.diagnostics import error_token_metrics
 from qarl.config import EvalSection, RunConfig
 from qarl.model import CausalLM
-from qarl.model.decoder import rope_inverse_frequencies
+from qarl.model.loading import build_model
 from qarl.quant.lora import lora_names, merged_weights
 from qarl.rollout import LocalEngine
 from qarl.train.phases import reward_metrics, reward_responses
@@ -35,27 +33,17 @@ def full_precision_copy(learner: CausalLM) -> CausalLM:
     """A plain CausalLM over the learner's master weights (no quantization anywhere); a LoRA
     learner's with each adapter merged into its layer's weight (W + (alpha / r) B A).
 
-    Its parameters share the masters' storage instead of copying them: evaluation only reads
-    them (its engine packs what it decodes with), and a copy would put 0.54 GB for
-    smollm2-135m on top of the optimizer state, making the run's final evaluation its peak
-    (docs/training.md, "Memory"). Built on the meta device, so no weights are initialized
-    only to be replaced."""
-    weight = learner.model.embed_tokens.weight
-    with torch.device("meta"):
-        plain = CausalLM(learner.config)
-    plain.inv_freq = rope_inverse_frequencies(learner.config).to(weight.device)
+    Its parameters share the masters' storage instead of copying them (`build_model` assigns
+    tensors already in its dtype and contiguous as they are): evaluation only reads them (its
+    engine packs what it decodes with), and a copy would put 0.54 GB for smollm2-135m on top
+    of the optimizer state, making the run's final evaluation its peak (docs/training.md,
+    "Memory")."""
     adapters = set(lora_names(learner))
     masters = {name: p.detach() for name, p in learner.named_parameters() if name not in adapters}
     masters.update(merged_weights(learner))
-    missing, unexpected = plain.load_state_dict(masters, strict=False, assign=True)
-    tied = learner.config.tie_word_embeddings
-    missing = [n for n in missing if not (n == "lm_head.weight" and tied)]
-    if missing or unexpected:
-        raise RuntimeError(f"master weights do not map onto the plain model: missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]}")
-    if tied:  # assign replaced the embedding's Parameter: the head takes the new one
-        plain.lm_head.weight = plain.model.embed_tokens.weight
-    return plain.requires_grad_(False).eval()
+    dtype = learner.model.embed_tokens.weight.dtype
+    plain = build_model(learner.config, masters, dtype, Path("the learner's master weights"))
+    return plain.requires_grad_(False)
 
 
 def eval_sampling(eval_cfg: EvalSection) -> SamplingParams:

@@ -64,7 +64,7 @@ class ReplayAudit:
         whole = (not self.exact or self.full_replay
                  or (self.full_every > 0 and step % self.full_every == 0))
         if whole:
-            result = _whole_replay(learner, batch, sampling)
+            result = _whole_replay(learner, batch, sampling, for_update=True)
             if self.exact and not self.full_replay:
                 return self._checked(result, batch, step)
             return self._with_metrics(result, N)
@@ -113,9 +113,11 @@ class ReplayAudit:
         return result
 
 
-def _whole_replay(learner: Learner, batch: RolloutBatch, sampling: SamplingParams) -> OldLogp:
-    """old_logp of every row by the learner's replay of the whole batch, in its sampled shape."""
-    logp, routing = learner.replay(batch, sampling)
+def _whole_replay(learner: Learner, batch: RolloutBatch, sampling: SamplingParams,
+                  for_update: bool = False) -> OldLogp:
+    """old_logp of every row by the learner's replay of the whole batch, in its sampled shape
+    (for_update: `Learner.replay`'s, the old_logp phase of the batch's update)."""
+    logp, routing = learner.replay(batch, sampling, for_update)
     return OldLogp(logp, routing, torch.arange(batch.num_sequences), logp)
 
 

@@ -56,8 +56,9 @@ class FsdpLearner:
         self.optimizers = optimizers or []
         self.routing_replay = routing_replay
 
-    def replay(self, batch: RolloutBatch, sampling: SamplingParams
+    def replay(self, batch: RolloutBatch, sampling: SamplingParams, for_update: bool = False
                ) -> tuple[Tensor, Tensor | None]:
+        # every row scored: the gradient forward runs on shards, split among the ranks
         return self.replayer.score_routing(batch, sampling, replay=self.routing_replay)
 
     def logprobs(self, batch: RolloutBatch, temperature: float) -> tuple[Tensor, Tensor]:
@@ -100,9 +101,9 @@ class LeadLearner:
         self.inner, self.group = inner, group
         self.model, self.optimizers = inner.model, inner.optimizers
 
-    def replay(self, batch: RolloutBatch, sampling: SamplingParams
+    def replay(self, batch: RolloutBatch, sampling: SamplingParams, for_update: bool = False
                ) -> tuple[Tensor, Tensor | None]:
-        return self.inner.replay(batch, sampling)
+        return self.inner.replay(batch, sampling, for_update)
 
     def logprobs(self, batch: RolloutBatch, temperature: float) -> tuple[Tensor, Tensor]:
         return self.inner.logprobs(batch, temperature)

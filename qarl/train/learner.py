@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
@@ -35,7 +36,7 @@ from qarl.rollout import LocalEngine
 from qarl.train.logprobs import ForwardScorer, response_logprobs
 from qarl.train.phases import Experience
 from qarl.train.precision import resolve_compute_dtype
-from qarl.train.update import SOLO, Collectives, update_policy
+from qarl.train.update import SOLO, Collectives, forward_ahead, update_policy
 from qarl.types import RolloutBatch, SamplingParams
 
 
@@ -45,10 +46,12 @@ class Learner(Protocol):
     model: CausalLM  # the whole master weights (on FSDP rank 0: refreshed after each update)
     optimizers: list[torch.optim.Optimizer]
 
-    def replay(self, batch: RolloutBatch, sampling: SamplingParams
+    def replay(self, batch: RolloutBatch, sampling: SamplingParams, for_update: bool = False
                ) -> tuple[Tensor, Tensor | None]:
         """(old_logp [N, L] float32, the experts the learner's routers chose [N, P + L,
-        moe_layers, k] int16 or None for a dense model)."""
+        moe_layers, k] int16 or None for a dense model). for_update: the old_logp phase of a
+        step whose update of `batch` follows (a learner may run that update's first forward
+        now and read its values: `AlignedLearner`)."""
         ...
 
     def logprobs(self, batch: RolloutBatch, temperature: float) -> tuple[Tensor, Tensor]:
@@ -92,22 +95,54 @@ def own_forward_values(learner: AlignedLearner, train: TrainSection) -> bool:
             and replayer.is_gradient_pass(compute, train.micro_batch_size))
 
 
+@dataclass
+class _Ahead:
+    """The update's first gradient forward, run by the old_logp phase of `batch`."""
+
+    batch: RolloutBatch
+    forward: tuple[Tensor, Tensor]  # (logp [n, L] with grad, entropy [n, L])
+
+
 class AlignedLearner:
     """The learner of one process (or one replicated rank, with its `group`): master weights
     in `model` (QuantLinear layers in the align mode), trained by `optimizers`; `replayer` is
     the engine's decode path around `model` (a LocalEngine), or its teacher-forced forward (a
     ForwardScorer: train.logp_path); `routing_replay`: MoE layers use the engine's experts
-    (quant.routing_replay)."""
+    (quant.routing_replay); `train`: the recipe's [train] (lets the old_logp phase run the
+    update's first forward: `replay`)."""
 
     def __init__(self, model: CausalLM, optimizers: list[torch.optim.Optimizer],
                  replayer: LocalEngine | ForwardScorer, routing_replay: bool = False,
-                 group: Collectives = SOLO):
+                 group: Collectives = SOLO, train: TrainSection | None = None):
         self.model, self.optimizers, self.replayer = model, optimizers, replayer
-        self.routing_replay, self.group = routing_replay, group
+        self.routing_replay, self.group, self.train = routing_replay, group, train
+        self._ahead: _Ahead | None = None
 
-    def replay(self, batch: RolloutBatch, sampling: SamplingParams
+    def replay(self, batch: RolloutBatch, sampling: SamplingParams, for_update: bool = False
                ) -> tuple[Tensor, Tensor | None]:
-        return self.replayer.score_routing(batch, sampling, replay=self.routing_replay)
+        """for_update, where the update's gradient forward computes the scorer's bits
+        (`reads_ahead`): the first micro-batch's old_logp are the values of that forward, run
+        now with grad and kept for the update's first optimizer step (`update.forward_ahead`;
+        TRL likewise reads old_logp from the training forward), and only the other rows are
+        scored without grad. The same bits as a replay of every row, one micro-batch's
+        forward fewer: with one micro-batch per step, no scoring pass at all."""
+        self._ahead = None  # a forward kept for a batch whose update never came
+        if not (for_update and torch.is_grad_enabled() and self.reads_ahead()):
+            return self.replayer.score_routing(batch, sampling, replay=self.routing_replay)
+        ahead = forward_ahead(self.model, batch, sampling, self.train)
+        first = ahead[0].shape[0]
+        logp = self.replayer.score_part(batch, sampling, range(first, batch.num_sequences))
+        logp[:first] = ahead[0].detach()
+        self._ahead = _Ahead(batch, ahead)
+        return logp, None
+
+    def reads_ahead(self) -> bool:
+        """Whether `replay(for_update=True)` runs the update's first forward: one process (a
+        rank's update splits its micro-batches with the others), logp values by a
+        ForwardScorer whose bits the gradient forward computes (`own_forward_values`), no
+        routing replay (the scorer keeps no routing table either)."""
+        return (self.train is not None and self.group is SOLO and not self.routing_replay
+                and own_forward_values(self, self.train))
 
     def logprobs(self, batch: RolloutBatch, temperature: float) -> tuple[Tensor, Tensor]:
         return response_logprobs(self.model, batch, temperature,
@@ -116,8 +151,10 @@ class AlignedLearner:
     def update(self, exp: Experience, algo: AlgoSection, train: TrainSection,
                step: int) -> dict[str, float]:
         exact = None if own_forward_values(self, train) else partial(later_logp, self)
+        ahead, self._ahead = self._ahead, None
+        forward = ahead.forward if ahead is not None and ahead.batch is exp.batch else None
         return update_policy(self.model, self.optimizers, self.group, exact, exp, algo, train,
-                             step, self.routing_replay)
+                             step, self.routing_replay, forward)
 
     def release_caches(self) -> None:
         self.replayer.release_caches()

@@ -298,7 +298,8 @@ def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | No
     identity = SCHEMES[config.quant.scheme].is_identity
     exact = replay_is_exact(config, bool(learner.config.moe_layers))
     audit = ReplayAudit(exact, config.train.audit_fraction, config.train.audit_full_every)
-    return Policy(AlignedLearner(learner, optimizers, replayer, config.quant.routing_replay),
+    return Policy(AlignedLearner(learner, optimizers, replayer, config.quant.routing_replay,
+                                 train=config.train),
                   engine, WeightSync(learner, engine, config.quant.sync_check, adapters),
                   quantized=not identity, audit=audit,
                   contract=RunContract(config, exact, engine_label(config, engine)))

@@ -34,6 +34,7 @@ from qarl.train.logprobs import aligned_logprobs, response_logprobs
 from qarl.train.optim import learning_rate, set_learning_rate
 from qarl.train.phases import Experience
 from qarl.train.precision import gradient_pass, resolve_compute_dtype
+from qarl.types import RolloutBatch, SamplingParams
 
 
 class Collectives(Protocol):
@@ -113,10 +114,42 @@ def mini_batches(n: int, parts: int) -> list[range]:
     return [range(j * size, (j + 1) * size) for j in range(parts)]
 
 
+def gradient_forward(module: torch.nn.Module, batch: RolloutBatch, idx: Tensor,
+                     temperature: float, compute: torch.dtype,
+                     routing_replay: bool = False) -> tuple[Tensor, Tensor]:
+    """The gradient forward of one micro-batch (rows `idx` of `batch`): (logp [n, L] float32
+    with grad, entropy [n, L]) in the gradient pass of `compute` (qarl.train.precision)."""
+    with gradient_pass(compute, idx.device):
+        return response_logprobs(module, batch.select(idx), temperature,
+                                 routing_replay=routing_replay)
+
+
+def forward_ahead(module: torch.nn.Module, batch: RolloutBatch, sampling: SamplingParams,
+                  train: TrainSection) -> tuple[Tensor, Tensor]:
+    """The gradient forward of the update's first micro-batch (rows 0 .. micro_batch_size-1),
+    run ahead of the update by the old_logp phase, which reads its values as those rows'
+    old_logp where it computes the scorer's bits (`AlignedLearner.replay`); the update's first
+    optimizer step then backpropagates it instead of running it again (`update_policy`,
+    `ahead`). It runs as the update would run it: train mode, the gradient pass of
+    train.compute_dtype, the layers checkpointed where train.gradient_checkpointing (the
+    recompute in backward takes the same context)."""
+    device = batch.response_ids.device
+    compute = resolve_compute_dtype(train.compute_dtype, device)
+    recompute = partial(gradient_pass, compute, device) if train.gradient_checkpointing else None
+    idx = torch.arange(min(batch.num_sequences, train.micro_batch_size), device=device)
+    module.train()
+    try:
+        with checkpointed_layers(module, recompute):
+            return gradient_forward(module, batch, idx, sampling.temperature, compute)
+    finally:
+        module.eval()
+
+
 def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
                   group: Collectives, exact: Callable[[Experience, range], Tensor] | None,
                   exp: Experience, algo: AlgoSection, train: TrainSection, step: int,
-                  routing_replay: bool = False) -> dict[str, float]:
+                  routing_replay: bool = False,
+                  ahead: tuple[Tensor, Tensor] | None = None) -> dict[str, float]:
     """Train `module` with `optimizers` on `exp` (module docstring): `algo.epochs` passes over
     the batch, each `train.mini_batches` optimizer steps on consecutive parts of its rows.
     `exact(exp, rows)`: logp by the pass old_logp came from (the engine's decode path on the
@@ -125,7 +158,9 @@ def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
     rows: the value of logp at every optimizer step after the first (the
     first uses exp.old_logp, the same value, since the weights have not moved yet). None:
     that pass is the gradient forward itself (`ForwardScorer.is_gradient_pass`), so a later
-    step takes logp's value from its own forward and runs no second one."""
+    step takes logp's value from its own forward and runs no second one. `ahead`: the first
+    micro-batch's gradient forward, already run by the old_logp phase (`forward_ahead`): the
+    first optimizer step backpropagates it instead of running it again."""
     lr = learning_rate(step, train.steps, train.lr, train.min_lr, train.warmup_steps, train.lr_schedule)
     if not bool(exp.advantages[exp.rows].any()):
         # Every loss is advantage-weighted: its gradient is exactly 0, so nothing to compute.
@@ -157,7 +192,8 @@ def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
             steps += 1
             entropy_sum, entropy_count, finite = accumulate_gradients(
                 module, exp, values, algo, correction, {**params, **counts[rows]}, rows,
-                train.micro_batch_size, group, totals, routing_replay, compute)
+                train.micro_batch_size, group, totals, routing_replay, compute,
+                ahead if steps == 1 else None)
             finite = group.all_true(finite)
             group.sum_gradients(module)
             entropy_sum, entropy_count = group.sum_floats([entropy_sum, entropy_count])
@@ -186,23 +222,26 @@ def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
 def accumulate_gradients(module: torch.nn.Module, exp: Experience, exact: Tensor | None,
                          algo: AlgoSection, correction: Correction, params: dict, rows: range,
                          micro_batch_size: int, group: Collectives, totals: dict[str, float],
-                         routing_replay: bool = False,
-                         compute: torch.dtype = torch.float32) -> tuple[float, int, bool]:
+                         routing_replay: bool = False, compute: torch.dtype = torch.float32,
+                         ahead: tuple[Tensor, Tensor] | None = None) -> tuple[float, int, bool]:
     """One optimizer step's backward passes over this rank's micro-batches of `rows` (its
     mini-batch); adds each loss metric (weighted by its share of the rows and epochs) to
     `totals`. Returns (entropy sum, response tokens, every loss finite); stops at the first
     non-finite loss, except where every rank must run every backward (`group.lockstep`: the
     step is dropped all the same). `compute`: the gradient pass's dtype
-    (qarl.train.precision); logp's value is `exact`'s (None: the gradient forward's own)."""
+    (qarl.train.precision); logp's value is `exact`'s (None: the gradient forward's own).
+    `ahead`: the first micro-batch's gradient forward, already run (`forward_ahead`)."""
     batch, N = exp.batch, exp.batch.num_sequences
     device = exp.old_logp.device
     entropy_sum, entropy_count, finite = 0.0, 0, True
     for start in group.micro_batches(range(rows.start, rows.stop, micro_batch_size)):
         idx = torch.arange(start, min(rows.stop, start + micro_batch_size), device=device)
         sub = batch.select(idx)
-        with gradient_pass(compute, device):
-            fast, entropy = response_logprobs(module, sub, exp.sampling.temperature,
-                                              routing_replay=routing_replay)
+        if ahead is not None and start == rows.start:
+            fast, entropy = ahead
+        else:
+            fast, entropy = gradient_forward(module, batch, idx, exp.sampling.temperature,
+                                             compute, routing_replay)
         # value: exact; gradient: fast
         logp = fast if exact is None else aligned_logprobs(fast, exact[idx])
         loss, metrics = LOSSES[algo.loss](

@@ -189,3 +189,55 @@ def test_forward_values_are_refused_where_the_replay_is_exact(tmp_path, override
     message = str(caught.value)
     assert f"train.logp_path: 'forward' with {setting}" in message
     assert "keep 'decode'" in message
+
+
+def test_the_old_logp_phase_runs_the_updates_first_forward_ahead(tmp_path, monkeypatch):
+    """Where the gradient forward computes the scorer's bits, the old_logp phase
+    (`replay(for_update=True)`) takes the first micro-batch's old_logp from the update's own
+    first gradient forward, run ahead and kept: the same old_logp bits as scoring every row,
+    only the other rows scored without grad, one forward fewer in the update, and the weights
+    the update leaves equal to the bit to those of the update without the head start. A kept
+    forward serves only the batch it was run on; a bf16 gradient pass scores every row."""
+    config = _config(tmp_path, **{"train.mini_batches": 2, "algo.loss": "tbpo"})
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5] * 2)
+    with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
+        batch, sampling = _batch(policy, data, config)
+        learner = policy.learner
+        plain = AlignedLearner(copy.deepcopy(learner.model), [], None, train=config.train)
+        plain.optimizers = [torch.optim.AdamW(plain.model.parameters(), lr=1e-3)]
+        plain.replayer = ForwardScorer(plain.model, config.train.micro_batch_size)
+        learner.optimizers = [torch.optim.AdamW(learner.model.parameters(), lr=1e-3)]
+        assert learner.reads_ahead()
+        scored, forwards = [], []
+        score_part = ForwardScorer.score_part
+        monkeypatch.setattr(ForwardScorer, "score_part", lambda self, b, s, rows, *a, **k: (
+            scored.append(rows), score_part(self, b, s, rows, *a, **k))[1])
+        old, routing = learner.replay(batch, sampling, for_update=True)
+        assert scored == [range(4, 8)]  # rows 0-3: the update's first forward, run ahead
+        reference, _ = plain.replay(batch, sampling)
+        assert routing is None and not old.requires_grad and torch.equal(old, reference)
+        import qarl.train.update as update
+        gradient_forward = update.gradient_forward
+        monkeypatch.setattr(update, "gradient_forward", lambda *a, **k: (
+            forwards.append(1), gradient_forward(*a, **k))[1])
+        train = config.train.model_copy(update={"lr": 1e-3})
+        for who in (learner, plain):
+            exp = Experience(batch, sampling, old, advantages, torch.ones(8, dtype=torch.bool))
+            who.update(exp, config.algo, train, step=0)
+        assert forwards == [1, 1, 1]  # 1 for the ahead learner's second step, 2 for the plain
+        ahead, without = learner.model.state_dict(), plain.model.state_dict()
+        assert ahead.keys() == without.keys() and all(torch.equal(ahead[k], without[k])
+                                                      for k in ahead)
+        # a kept forward is read only by the update of its own batch
+        learner.replay(batch, sampling, for_update=True)
+        assert learner._ahead is not None
+        other = Experience(batch.select(torch.arange(8)), sampling, old, advantages,
+                           torch.ones(8, dtype=torch.bool))
+        forwards.clear()
+        learner.update(other, config.algo, train, step=1)
+        assert forwards == [1, 1] and learner._ahead is None
+        scored.clear()
+        learner.train = config.train.model_copy(update={"compute_dtype": "bfloat16"})
+        assert not learner.reads_ahead()
+        learner.replay(batch, sampling, for_update=True)
+        assert scored == [range(0, 8)] and learner._ahead is None

@@ -85,11 +85,12 @@ class TrainSection(BaseModel):
         "shape (exact under kernel alignment and full-precision rollouts: old_logp equals the "
         "sampler's bit for bit); 'forward', the learner's teacher-forced forward without grad, "
         "micro_batch_size rows at a time (the pass verl's compute_log_prob and TRL take; a "
-        "little cheaper than a decode-path replay; a later step reads the value of its own "
-        "gradient forward, the same bits, where the gradient pass is fp32 and no LoRA "
-        "adapter trains, and else runs it on its own rows), for naive and fake alignment "
-        "only, where no pass "
-        "of the learner is exact. docs/training.md.")
+        "little cheaper than a decode-path replay; where the gradient pass is fp32 and no "
+        "LoRA adapter trains, it computes the same bits as the gradient forward, so the first "
+        "micro-batch's old_logp are the values of the update's first gradient forward, run "
+        "ahead, and a later step reads the value of its own gradient forward; else a later "
+        "step runs it on its own rows), for naive and fake alignment only, where no pass of "
+        "the learner is exact. docs/training.md.")
     device: str = Field(
         "cpu", description="Where the learner (master weights, optimizer state, gradients), "
         "the local engine, the replay, the weight sync and evaluation run: 'cpu', 'cuda' or "

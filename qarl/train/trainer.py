@@ -31,7 +31,7 @@ from qarl.train.guards import (
 )
 from qarl.parallel.ranks import LearnerRankDied
 from qarl.train.follow import learner_on_ranks
-from qarl.train.learner import own_forward_values
+from qarl.train.learner import AlignedLearner, own_forward_values
 from qarl.train.metrics import MetricsLogger
 from qarl.train.monitors import Monitors
 from qarl.train.phases import (
@@ -170,14 +170,17 @@ class Loop:
                        + describe_compute(resolve_compute_dtype(requested, device), requested,
                                         device))
         if self.config.train.logp_path == "forward":
+            learner = getattr(self.policy.learner, "inner", self.policy.learner)  # ranks
             later = ("read from its own gradient forward, which computes the same bits"
-                     if own_forward_values(getattr(self.policy.learner, "inner",  # ranks
-                                                   self.policy.learner), self.config.train)
+                     if own_forward_values(learner, self.config.train)
                      else "that forward again")
+            ahead = isinstance(learner, AlignedLearner) and learner.reads_ahead()
+            first = (" (the first micro-batch's: the values of the update's first gradient "
+                     "forward, run ahead)" if ahead else "")
             self.log.write("logp values (train.logp_path = 'forward'): old_logp by the "
                            "learner's teacher-forced forward without grad, "
-                           f"{self.config.train.micro_batch_size} rows at a time, not the "
-                           f"decode-path replay; each later optimizer step's: {later}")
+                           f"{self.config.train.micro_batch_size} rows at a time{first}, not "
+                           f"the decode-path replay; each later optimizer step's: {later}")
         self.rng = checkpoint.capture_rng()  # the state a checkpoint of `done` steps holds
 
     def run(self) -> tuple[dict | None, dict]:

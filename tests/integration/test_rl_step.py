@@ -76,9 +76,9 @@ def _replayed_rows(tmp_path, **extra) -> tuple[list[int], dict[str, float]]:
         replayed_rows = []
         replay = policy.learner.replay  # old_logp's replay and the update's later epochs'
 
-        def counting_replay(batch, sampling):
+        def counting_replay(batch, sampling, for_update=False):
             replayed_rows.append(batch.num_sequences)
-            return replay(batch, sampling)
+            return replay(batch, sampling, for_update)
 
         policy.learner.replay = counting_replay
         metrics = rl_step(policy, data, config, step=STEP)

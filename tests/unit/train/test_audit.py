@@ -31,7 +31,7 @@ class ReplayingLearner:
         self.full, self.bad, self.shift, self.calls = full, bad, shift, []
         self.only_in_part = only_in_part  # the shift only where fewer than all rows replay
 
-    def replay(self, batch: RolloutBatch, sampling: SamplingParams):
+    def replay(self, batch: RolloutBatch, sampling: SamplingParams, for_update: bool = False):
         rows = [next(i for i in range(N) if torch.equal(self.full.response_ids[i], r))
                 for r in batch.response_ids]
         self.calls.append(rows)

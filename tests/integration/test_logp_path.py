@@ -191,14 +191,19 @@ def test_forward_values_are_refused_where_the_replay_is_exact(tmp_path, override
     assert "keep 'decode'" in message
 
 
-def test_the_old_logp_phase_runs_the_updates_first_forward_ahead(tmp_path, monkeypatch):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_old_logp_phase_runs_the_updates_first_forward_ahead(tmp_path, monkeypatch,
+                                                                 checkpointing):
     """Where the gradient forward computes the scorer's bits, the old_logp phase
     (`replay(for_update=True)`) takes the first micro-batch's old_logp from the update's own
     first gradient forward, run ahead and kept: the same old_logp bits as scoring every row,
     only the other rows scored without grad, one forward fewer in the update, and the weights
-    the update leaves equal to the bit to those of the update without the head start. A kept
-    forward serves only the batch it was run on; a bf16 gradient pass scores every row."""
-    config = _config(tmp_path, **{"train.mini_batches": 2, "algo.loss": "tbpo"})
+    the update leaves equal to the bit to those of the update without the head start (with the
+    layers checkpointed too: the kept forward's recompute runs in backward, after the old_logp
+    phase). A kept forward serves only the batch it was run on; a bf16 gradient pass scores
+    every row."""
+    config = _config(tmp_path, **{"train.mini_batches": 2, "algo.loss": "tbpo",
+                                  "train.gradient_checkpointing": checkpointing})
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5] * 2)
     with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
         batch, sampling = _batch(policy, data, config)

@@ -114,14 +114,12 @@ def mini_batches(n: int, parts: int) -> list[range]:
     return [range(j * size, (j + 1) * size) for j in range(parts)]
 
 
-def gradient_forward(module: torch.nn.Module, batch: RolloutBatch, idx: Tensor,
-                     temperature: float, compute: torch.dtype,
-                     routing_replay: bool = False) -> tuple[Tensor, Tensor]:
-    """The gradient forward of one micro-batch (rows `idx` of `batch`): (logp [n, L] float32
-    with grad, entropy [n, L]) in the gradient pass of `compute` (qarl.train.precision)."""
-    with gradient_pass(compute, idx.device):
-        return response_logprobs(module, batch.select(idx), temperature,
-                                 routing_replay=routing_replay)
+def gradient_forward(module: torch.nn.Module, sub: RolloutBatch, temperature: float,
+                     compute: torch.dtype, routing_replay: bool = False) -> tuple[Tensor, Tensor]:
+    """The gradient forward of one micro-batch `sub`: (logp [n, L] float32 with grad, entropy
+    [n, L]) in the gradient pass of `compute` (qarl.train.precision)."""
+    with gradient_pass(compute, sub.response_ids.device):
+        return response_logprobs(module, sub, temperature, routing_replay=routing_replay)
 
 
 def forward_ahead(module: torch.nn.Module, batch: RolloutBatch, sampling: SamplingParams,
@@ -140,7 +138,7 @@ def forward_ahead(module: torch.nn.Module, batch: RolloutBatch, sampling: Sampli
     module.train()
     try:
         with checkpointed_layers(module, recompute):
-            return gradient_forward(module, batch, idx, sampling.temperature, compute)
+            return gradient_forward(module, batch.select(idx), sampling.temperature, compute)
     finally:
         module.eval()
 
@@ -240,8 +238,8 @@ def accumulate_gradients(module: torch.nn.Module, exp: Experience, exact: Tensor
         if ahead is not None and start == rows.start:
             fast, entropy = ahead
         else:
-            fast, entropy = gradient_forward(module, batch, idx, exp.sampling.temperature,
-                                             compute, routing_replay)
+            fast, entropy = gradient_forward(module, sub, exp.sampling.temperature, compute,
+                                             routing_replay)
         # value: exact; gradient: fast
         logp = fast if exact is None else aligned_logprobs(fast, exact[idx])
         loss, metrics = LOSSES[algo.loss](

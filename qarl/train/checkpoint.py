@@ -4,7 +4,11 @@ A checkpoint is a folder `step_000012/` (12 steps done) holding
 - `model.safetensors`: the master weights (a tied weight is stored once); of a LoRA learner,
   its adapters (`<layer>.lora_A`, `.lora_B`), the frozen base being the recipe's;
 - `optimizer.safetensors`: every tensor of every optimizer's state, named
-  `<optimizer>.<param id>.<key>`;
+  `<optimizer>.<param id>.<key>`; absent from a weights-only checkpoint (`save(...,
+  optimizer_state=False)`: a run's final one under train.final_checkpoint = 'weights'), whose
+  state.json says so (`"optimizer_state": false`): such a folder is whole, can be evaluated,
+  exported and resumed at its own step, but holds nothing to take another optimizer step with
+  (`has_optimizer_state`). A full checkpoint that lost the file is damaged, never taken for one;
 - `rng.safetensors`: the global torch RNG state (`torch`) and each CUDA device's (`cuda.<i>`);
 - `state.json`: the step, the trainer's own state (e.g. the count of bad steps in a row), the
   Python `random` state, and per optimizer its param groups (learning rate included) and
@@ -146,16 +150,19 @@ def _discard(folder: Path) -> None:
 
 
 def _write_files(tmp: Path, step: int, model, optimizers, state: dict, rng: RngState,
-                 config_toml: str, metrics: Path) -> None:
+                 config_toml: str, metrics: Path, optimizer_state: bool) -> None:
     save_file(_master_weights(model), tmp / "model.safetensors")
-    opt_tensors, opt_scalars = _flatten_optimizer(optimizers)
-    save_file(opt_tensors, tmp / "optimizer.safetensors")
+    opt_scalars = None
+    if optimizer_state:
+        opt_tensors, opt_scalars = _flatten_optimizer(optimizers)
+        save_file(opt_tensors, tmp / "optimizer.safetensors")
     save_file({"torch": rng.torch_cpu, **{f"cuda.{i}": s for i, s in enumerate(rng.cuda)}},
               tmp / "rng.safetensors")
     (tmp / "config.toml").write_text(config_toml)
     if metrics.exists():
         shutil.copyfile(metrics, tmp / METRICS)
-    state = {**state, "step": step, "python_random": rng.python, "optimizers": opt_scalars}
+    state = {**state, "step": step, "python_random": rng.python, "optimizers": opt_scalars,
+             "optimizer_state": optimizer_state}
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
     for path in tmp.iterdir():
         _fsync(path)
@@ -168,16 +175,18 @@ def step_folder(run_dir: Path, step: int) -> Path:
 
 
 def save(run_dir: Path, step: int, model: nn.Module, optimizers, state: dict, rng: RngState,
-         config_toml: str, keep: int) -> Path:
+         config_toml: str, keep: int, optimizer_state: bool = True) -> Path:
     """Write checkpoint `step` of run_dir (see the module docstring), point `latest` at it,
-    keep the newest `keep`. `state`: the trainer's JSON-able state."""
+    keep the newest `keep`. `state`: the trainer's JSON-able state. optimizer_state=False:
+    a weights-only checkpoint (no optimizer.safetensors)."""
     run_dir = Path(run_dir)
     final = step_folder(run_dir, step)
     tmp = run_dir / f".tmp_{final.name}"
     for junk in [tmp, *run_dir.glob(".trash_*")]:  # left by a process killed mid-save
         shutil.rmtree(junk, ignore_errors=True)
     tmp.mkdir(parents=True)
-    _write_files(tmp, step, model, optimizers, state, rng, config_toml, run_dir / METRICS)
+    _write_files(tmp, step, model, optimizers, state, rng, config_toml, run_dir / METRICS,
+                 optimizer_state)
     if final.exists():  # a step redone after a resume from an older pointer
         _discard(final)
     os.replace(tmp, final)
@@ -195,10 +204,28 @@ def save(run_dir: Path, step: int, model: nn.Module, optimizers, state: dict, rn
     return final
 
 
+def has_optimizer_state(folder: Path) -> bool:
+    """Whether checkpoint `folder` is meant to hold optimizer state: False only where its
+    state.json says it was saved without (a weights-only checkpoint); a state.json that
+    cannot be read counts as full, so a damaged folder is never taken for a whole one."""
+    try:
+        return json.loads((Path(folder) / "state.json").read_text()).get("optimizer_state") is not False
+    except (OSError, ValueError, AttributeError, UnicodeDecodeError):
+        return True
+
+
+def _files(folder: Path) -> tuple[str, ...]:
+    """The files checkpoint `folder` must hold (FILES, less the optimizer's in a weights-only
+    one)."""
+    if has_optimizer_state(folder):
+        return FILES
+    return tuple(name for name in FILES if name != "optimizer.safetensors")
+
+
 def _complete(run_dir: Path) -> list[Path]:
     """Checkpoint folders with every file, oldest first."""
     found = sorted(Path(run_dir).glob(f"{PREFIX}*")) if Path(run_dir).exists() else []
-    return [f for f in found if all((f / name).is_file() for name in FILES)]
+    return [f for f in found if all((f / name).is_file() for name in _files(f))]
 
 
 def problem(folder: Path) -> str | None:
@@ -206,10 +233,11 @@ def problem(folder: Path) -> str | None:
     file cut short or corrupt; a state.json or config.toml that does not parse), or None when
     it is whole. Reads the safetensors headers and the small files, not the tensors."""
     folder = Path(folder)
-    missing = [name for name in FILES if not (folder / name).is_file()]
+    files = _files(folder)
+    missing = [name for name in files if not (folder / name).is_file()]
     if missing:
         return f"missing {', '.join(missing)}"
-    for name in ("model.safetensors", "optimizer.safetensors", "rng.safetensors"):
+    for name in (n for n in files if n.endswith(".safetensors")):
         try:
             check_safetensors(folder / name)
         except UserError as err:
@@ -293,12 +321,15 @@ def load_weights(folder: Path, model: nn.Module) -> None:
 
 
 def load(folder: Path, model: nn.Module, optimizers) -> tuple[dict, RngState]:
-    """Restore master weights and optimizer state in place; return the trainer state (the
-    step included) and the RNG state saved with them (restore it with `restore_rng`)."""
+    """Restore master weights and optimizer state in place (a weights-only checkpoint leaves
+    the optimizers as they are: state["optimizer_state"] is False); return the trainer state
+    (the step included) and the RNG state saved with them (restore it with `restore_rng`)."""
     folder = Path(folder)
     load_weights(folder, model)
     state = json.loads((folder / "state.json").read_text())
-    _unflatten_optimizer(optimizers, load_file(folder / "optimizer.safetensors"), state.pop("optimizers"))
+    scalars = state.pop("optimizers")
+    if state.setdefault("optimizer_state", True):
+        _unflatten_optimizer(optimizers, load_file(folder / "optimizer.safetensors"), scalars)
     saved = load_file(folder / "rng.safetensors")
     cuda = [saved[f"cuda.{i}"] for i in range(len(saved) - 1)]
     return state, RngState(saved["torch"], cuda, state.pop("python_random"))

@@ -16,6 +16,7 @@ when the run folder holds a checkpoint.
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,8 @@ from qarl.train import checkpoint
 
 RESUME_FREE = ("train.steps", "train.micro_batch_size", "train.device",
                "train.gradient_checkpointing",
-               "train.checkpoint_every", "train.keep_checkpoints", "train.max_bad_steps",
+               "train.checkpoint_every", "train.keep_checkpoints", "train.final_checkpoint",
+               "train.max_bad_steps",
                "train.audit_fraction",
                "train.audit_full_every", "run.output_dir", "run.name", "run.resume", "log.",
                "dist.", "monitor.", "quant.contract_exempt", "quant.sync_check",
@@ -98,10 +100,27 @@ def resume_point(config: RunConfig) -> ResumePoint:
             "with --run.resume=false (which deletes this folder's checkpoints and metrics)")
     if found is not None:
         check_resumable(load_config(found / "config.toml"), config, found)
+        _check_extendable(found, config)
     if damaged:
         print(f"resuming from {found}: passed over {point.describe()}; they are set aside as "
               f"damaged_<name> in {run_dir}", file=sys.stderr)
     return point
+
+
+def _check_extendable(found: Path, config: RunConfig) -> None:
+    """Refuse (UserError) to take steps from a weights-only checkpoint (a finished run's,
+    train.final_checkpoint = 'weights'): it holds no optimizer state to step with. Resuming
+    it at its own step (the run's end: only the final evaluation runs again) is fine."""
+    step = int(json.loads((found / "state.json").read_text())["step"])
+    if checkpoint.has_optimizer_state(found) or config.train.steps <= step:
+        return
+    raise UserError(
+        f"{found} is the final checkpoint of a run that ended at step {step}, saved without "
+        "optimizer state (train.final_checkpoint = 'weights'), so the run cannot go on to "
+        f"train.steps = {config.train.steps}. Nothing was changed. Its weights can still be "
+        "evaluated and exported (qarl eval --checkpoint, qarl export); to train on, export "
+        "it (qarl export RUN_DIR OUT --format hf) and start a new run on it (--model.name=OUT, "
+        "its own --run.name). Keep train.final_checkpoint = 'full' for runs you mean to extend")
 
 
 def resume_config(run_dir: str | Path, overrides: Mapping[str, Any] | Sequence[str] | None = None

@@ -204,7 +204,7 @@ class Loop:
                 self.guard.update(self.done, metrics, self.saved)
                 every = config.train.checkpoint_every
                 if (every and self.done % every == 0) or self.done == steps:
-                    self.save()
+                    self.save(last=self.done == steps)
                 if self.monitors.alert and config.monitor.early_stop:
                     self.early_stop = self.monitors.alert
                     if self.saved != checkpoint.step_folder(self.run_dir, self.done):
@@ -240,11 +240,16 @@ class Loop:
         self.log.log(self.done, metrics, kind="eval")
         return metrics
 
-    def save(self) -> None:
+    def save(self, last: bool = False) -> None:
+        """Checkpoint the steps done; `last`: the run's final step, saved without optimizer
+        state under train.final_checkpoint = 'weights' (a stop or an early stop saves in
+        full: the run may go on)."""
         train, learner = self.config.train, self.policy.learner
         state = {"time": time.time(), "bad_steps": self.guard.in_a_row,
                  "full_replay": self.policy.audit.full_replay, "monitor": self.monitors.state()}
+        optimizer_state = not (last and train.final_checkpoint == "weights")
         with learner.whole_optimizer_state():
             self.saved = checkpoint.save(self.run_dir, self.done, learner.model,
                                          learner.optimizers, state, self.rng,
-                                         to_toml(self.config), train.keep_checkpoints)
+                                         to_toml(self.config), train.keep_checkpoints,
+                                         optimizer_state)

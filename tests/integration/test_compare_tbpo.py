@@ -75,3 +75,17 @@ def test_the_shipped_budgets_flag_no_step(report, tmp_path_factory):
             assert not any(k.startswith("contract/") and "budget" in k for r in train for k in r)
         else:
             assert [r["contract/over_budget"] for r in train] == [0.0, 0.0, 0.0], arm
+
+
+def test_each_run_keeps_its_final_weights_without_optimizer_state(report):
+    """The comparison's recipe saves the runs' final checkpoints weights-only
+    (train.final_checkpoint = 'weights'): the master weights to evaluate or export, no AdamW
+    moments (two thirds of a full checkpoint)."""
+    table, _ = report
+    for arm in ARMS.split(","):
+        run = table["folder"] / arm / "seed0"
+        final = run / (run / "latest").read_text().strip()
+        assert final.name == "step_000003", arm
+        assert (final / "model.safetensors").is_file(), arm
+        assert not (final / "optimizer.safetensors").exists(), arm
+        assert json.loads((final / "state.json").read_text())["optimizer_state"] is False

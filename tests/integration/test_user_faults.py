@@ -160,6 +160,27 @@ def test_resume_on_damaged_checkpoints_loses_nothing(tmp_path, capsys):
     assert _tree(run) == before
 
 
+def test_a_weights_only_final_checkpoint_ends_the_run_and_loses_nothing(tmp_path, capsys):
+    """train.final_checkpoint = 'weights': the last step's checkpoint has no optimizer file
+    while the one before is full; `--resume` at the run's own length only evaluates again (the
+    weights untouched); asking for more steps is refused with exit 2 and every file left as it
+    was; `qarl export` still writes the policy."""
+    run = tmp_path / "tiny"
+    train("tiny", {**SMALL, "run.output_dir": str(tmp_path), "train.final_checkpoint": "weights"})
+    assert (run / "step_000001" / "optimizer.safetensors").is_file()
+    assert not (run / "step_000002" / "optimizer.safetensors").exists()
+    weights = (run / "step_000002" / "model.safetensors").read_bytes()
+    assert main(["train", "--resume", str(run)]) == 0
+    capsys.readouterr()
+    assert (run / "step_000002" / "model.safetensors").read_bytes() == weights
+    before = _tree(run)
+    err = _refused(capsys, "train", "--resume", str(run), "--train.steps=3")
+    assert "saved without optimizer state" in err and "Nothing was changed" in err
+    assert _tree(run) == before
+    assert main(["export", str(run), str(tmp_path / "hf"), "--format", "hf"]) == 0
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
 def test_resume_of_a_folder_without_checkpoints_is_an_error(tmp_path, capsys):
     """`--resume` on a run folder that never saved a checkpoint refuses (exit 2): it does
     not start a run over."""

@@ -255,3 +255,33 @@ def test_a_whole_checkpoint_has_no_problem(tmp_path):
     folder = checkpoint.save(tmp_path, 3, model, opts, {"bad_steps": 0}, checkpoint.capture_rng(),
                              "[train]\nsteps = 3\n", keep=1)
     assert checkpoint.problem(folder) is None
+
+
+def test_a_weights_only_checkpoint_is_whole_and_leaves_the_optimizer_alone(tmp_path):
+    """optimizer_state=False (train.final_checkpoint = 'weights'): no optimizer file, a whole
+    checkpoint for `problem` / `find` / the rotation, the weights and RNG restored bit for bit,
+    the optimizers left as they were; a full checkpoint that lost its optimizer file is still
+    damaged, never taken for a weights-only one."""
+    model, opts = _model_and_optimizer()
+    _save(tmp_path, 1, model, opts)
+    _fill(model, 2.0)
+    folder = checkpoint.save(tmp_path, 2, model, opts, {"bad_steps": 0}, checkpoint.capture_rng(),
+                             "[train]\nsteps = 2\n", keep=2, optimizer_state=False)
+    assert not (folder / "optimizer.safetensors").exists()
+    assert checkpoint.problem(folder) is None and not checkpoint.has_optimizer_state(folder)
+    assert checkpoint.find(tmp_path) == (folder, {})
+    assert checkpoint.has_optimizer_state(tmp_path / "step_000001")
+    model2, opts2 = _model_and_optimizer(seed=5)
+    before = {k: v.clone() for k, v in opts2[0].state_dict()["state"][0].items()}
+    state, _ = checkpoint.load(folder, model2, opts2)
+    assert state["step"] == 2 and state["optimizer_state"] is False
+    assert all(torch.equal(p, torch.full_like(p, 2.0)) for p in model2.parameters())
+    after = opts2[0].state_dict()["state"][0]
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    _save(tmp_path, 3, model, opts, keep=2)  # the rotation counts it as a whole checkpoint
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000002", "step_000003"]
+
+    (tmp_path / "step_000003" / "optimizer.safetensors").unlink()
+    found, damaged = checkpoint.find(tmp_path)
+    assert found == folder
+    assert "missing optimizer.safetensors" in damaged[tmp_path / "step_000003"]

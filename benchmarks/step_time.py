@@ -5,6 +5,7 @@ VM: 10-25% between runs) moves every arm alike and the ratios are read in one wi
 
     .venv/bin/python benchmarks/step_time.py --steps 4                      # W8A8 vs none
     .venv/bin/python benchmarks/step_time.py --steps 4 --tokens 64          # longer responses
+    .venv/bin/python benchmarks/step_time.py --steps 4 --tokens 64 --ignore-eos  # all 64 long
     .venv/bin/python benchmarks/step_time.py --arm w8a8: --arm none:quant.scheme=none \\
         --arm int4:quant.scheme=w4a16-int4
 
@@ -12,7 +13,10 @@ An arm is NAME:KEY=VALUE,KEY=VALUE (overrides of the recipe, `--recipe`, default
 A recipe with SFT steps starts from its warm start, as `qarl train` does (trained first where
 the cache lacks it). Step 1 of each arm is a warm-up (first packs, first pushes) and is left
 out of the means; `contract` is the per-sync digest check's share of `sync`
-(docs/training.md). The JSON names the machine (CPU, ISA levels, threads) and the int8 GEMM chosen here; `ratio` is
+(docs/training.md). `--ignore-eos` (as vLLM's throughput benchmark does) makes every response
+run to `--tokens`: the arms then do the same work per step whatever their policies write, so
+their step ratio is not a ratio of response lengths (the responses' text past the end token is
+noise, and so are the rewards). The JSON names the machine (CPU, ISA levels, threads) and the int8 GEMM chosen here; `ratio` is
 each arm's mean step against the first arm's.
 """
 
@@ -84,6 +88,15 @@ def measure(recipe: str, arms: list[tuple[str, dict]], steps: int, tokens: int |
     return {"arms": means, "int8_gemm": kernel}
 
 
+def ignore_eos(name: str, policy) -> None:
+    """A `measure` prepare hook: the sampler and the learner's decode-path replay (which
+    must stop rows where the sampler did) end no row at an EOS id."""
+    policy.engine.eos_token_ids = ()
+    replayer = getattr(policy.learner, "replayer", None)
+    if hasattr(replayer, "eos_token_ids"):
+        replayer.eos_token_ids = ()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="default")
@@ -91,13 +104,17 @@ def main() -> None:
                         help="NAME:KEY=VALUE,... (default: w8a8 and none)")
     parser.add_argument("--steps", type=int, default=4, help="steps per arm, the first a warm-up")
     parser.add_argument("--tokens", type=int, default=None, help="rollout.max_new_tokens")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="every response runs to rollout.max_new_tokens (equal work per step)")
     args = parser.parse_args()
     arms = args.arm or [_arm("w8a8:"), _arm("none:quant.scheme=none")]
     tune_allocator()  # as qarl train does (QARL_MALLOC=default measures glibc's own)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as out:
-        result = measure(args.recipe, arms, args.steps, args.tokens, out)
-    result.update(recipe=args.recipe, steps=args.steps, tokens=args.tokens, machine=machine(),
+        result = measure(args.recipe, arms, args.steps, args.tokens, out,
+                         prepare=ignore_eos if args.ignore_eos else None)
+    result.update(recipe=args.recipe, steps=args.steps, tokens=args.tokens,
+                  ignore_eos=args.ignore_eos, machine=machine(),
                   unit="seconds per step (mean of steps 2..N)",
                   peak_rss_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
                   loadavg_before=load_before, loadavg_after=os.getloadavg())

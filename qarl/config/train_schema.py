@@ -116,7 +116,7 @@ class TrainSection(BaseModel):
         "state (a third of the size under AdamW: 0.54 instead of 1.6 GB for smollm2-135m), so "
         "the run can be evaluated and exported but not extended. Checkpoints before the last "
         "step, and one saved by a stop signal or monitor.early_stop, are always full: a killed "
-        "or stopped run resumes either way (docs/training.md, 'Checkpoints').")
+        "or stopped run resumes either way (docs/training.md, 'Reliability').")
     audit_fraction: float = Field(
         0.125, ge=0, le=1, description="Where the learner's replay of the sampled tokens is "
         "exact by construction (kernel alignment, or scheme 'none'; the local engine; a dense "

@@ -204,6 +204,11 @@ def save(run_dir: Path, step: int, model: nn.Module, optimizers, state: dict, rn
     return final
 
 
+def step_of(folder: Path) -> int:
+    """The steps done when checkpoint `folder` was saved, from its state.json."""
+    return int(json.loads((Path(folder) / "state.json").read_text())["step"])
+
+
 def has_optimizer_state(folder: Path) -> bool:
     """Whether checkpoint `folder` is meant to hold optimizer state: False only where its
     state.json says it was saved without (a weights-only checkpoint); a state.json that
@@ -243,7 +248,7 @@ def problem(folder: Path) -> str | None:
         except UserError as err:
             return str(err)
     try:
-        int(json.loads((folder / "state.json").read_text())["step"])
+        step_of(folder)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
         return f"{folder / 'state.json'} is not a checkpoint state ({type(err).__name__}: {err})"
     try:

@@ -16,7 +16,6 @@ when the run folder holds a checkpoint.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,7 +110,7 @@ def _check_extendable(found: Path, config: RunConfig) -> None:
     """Refuse (UserError) to take steps from a weights-only checkpoint (a finished run's,
     train.final_checkpoint = 'weights'): it holds no optimizer state to step with. Resuming
     it at its own step (the run's end: only the final evaluation runs again) is fine."""
-    step = int(json.loads((found / "state.json").read_text())["step"])
+    step = checkpoint.step_of(found)
     if checkpoint.has_optimizer_state(found) or config.train.steps <= step:
         return
     raise UserError(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from functools import partial
 from typing import ContextManager
 
@@ -96,6 +97,47 @@ def attention_mask(
     return mask
 
 
+@dataclass(frozen=True)
+class Packing:
+    """The [B, T] positions a forward computes, packed row-major into one run of n tokens.
+
+    Every per-token op (the projections, the MLP, the norms: most of a layer's FLOPs) runs on
+    the n packed tokens only; attention alone needs rows, so it scatters queries, keys and
+    values back to [B, T] (other slots zero, never attended: the key mask marks them padding,
+    or causality puts them after every packed query) and packs its output again. That is
+    verl's "remove padding": a batch of responses of very different lengths (long RL rollouts
+    padded to the longest) computes its real tokens, not B x T. Per-token ops are row-wise in
+    every format (activation quantizers scale per token or per group of one token), so only
+    GEMM rounding differs from the padded pass."""
+
+    index: Tensor  # [n] int64: b * width + t of each computed position, ascending
+    batch: int
+    width: int
+
+    @classmethod
+    def of(cls, keep: Tensor, real: Tensor | None = None) -> "Packing":
+        """keep: [B, T] bool, the positions to compute; real: [B, T] bool, the positions that
+        are not padding (None: all). A kept position's queries attend every real position
+        before it, so each of those must be kept too."""
+        if real is not None:
+            after = keep.flip(1).cummax(1).values.flip(1)  # [B, T]: at or before a kept one
+            holes = real & after & ~keep
+            if bool(holes.any()):
+                b, t = (int(i) for i in holes.nonzero()[0])
+                raise ValueError(
+                    f"packed forward: row {b} keeps a position after its position {t}, which "
+                    "is neither kept nor padding, so attention would read keys never computed; "
+                    "keep every real position before the last kept one of its row")
+        return cls(keep.reshape(-1).nonzero().squeeze(1), keep.shape[0], keep.shape[1])
+
+    def pack(self, x: Tensor) -> Tensor:  # [B, T, F] -> [n, F]
+        return x.reshape(self.batch * self.width, -1).index_select(0, self.index)
+
+    def pad(self, x: Tensor) -> Tensor:  # [n, F] -> [B, T, F], zeros elsewhere
+        out = x.new_zeros(self.batch * self.width, x.shape[-1])
+        return out.index_copy(0, self.index, x).view(self.batch, self.width, -1)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -111,11 +153,16 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, cache_start: int):
-        B, T, _ = x.shape  # x: [B, T, hidden]
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, cache_start: int,
+                packing: Packing | None = None):
+        # x: [B, T, hidden], or [n, hidden] under `packing` (rows back to [B, T] for attention)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if packing is not None:
+            q, k, v = packing.pad(q), packing.pad(k), packing.pad(v)
+        B, T = q.shape[:2]
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
@@ -127,7 +174,8 @@ class Attention(nn.Module):
             q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        out = out.transpose(1, 2).reshape(B, T, -1)
+        return self.o_proj(out if packing is None else packing.pack(out))
 
 
 class Block(nn.Module):
@@ -141,8 +189,9 @@ class Block(nn.Module):
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x, cos, sin, mask, cache, layer, cache_start):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, cache_start)
+    def forward(self, x, cos, sin, mask, cache, layer, cache_start, packing=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, cache_start,
+                               packing)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -151,17 +200,22 @@ def decoder_forward(
     input_ids: Tensor,  # [B, T] int64
     positions: Tensor,  # [B, T] int64 RoPE positions
     cache: KVCache | None, cache_start: int, key_mask: Tensor | None,
-) -> Tensor:  # [B, T, hidden]
+    packing: Packing | None = None,
+) -> Tensor:  # [B, T, hidden], or [n, hidden] under packing
     """Embed, run each layer (`layer(x, cos, sin, mask, cache, i, cache_start)`) in order, then
     the final norm. `CausalLM.forward` passes its own modules; the rollout engine passes its
     decode plan's per-layer steps (`qarl.rollout.plan`), which compute each Block's math on
-    packed weights."""
+    packed weights. `packing`: only those positions (`Packing`; the layers take it as a last
+    argument)."""
     B, T = input_ids.shape
-    x = embed(input_ids)
+    if packing is None:
+        x, extra = embed(input_ids), ()
+    else:
+        x, extra = embed(input_ids.reshape(-1).index_select(0, packing.index)), (packing,)
     cos, sin = rope(positions, x.dtype)
     mask = attention_mask(key_mask, cache_start, T, cache_start + T, input_ids.device)
     for i, layer in enumerate(layers):
-        x = layer(x, cos, sin, mask, cache, i, cache_start)
+        x = layer(x, cos, sin, mask, cache, i, cache_start, *extra)
     return norm(x)
 
 
@@ -234,8 +288,12 @@ class CausalLM(nn.Module):
         cache_start: int = 0,  # cache slot of input_ids[:, 0]
         key_mask: Tensor | None = None,  # [B, S] bool over slots 0..S-1; False = padding
         routing: Routing | None = None,  # MoE: experts to use, and where the chosen ones go
-    ) -> Tensor:  # [B, T, hidden]
+        packed: Tensor | None = None,  # [B, T] bool: compute only these positions (`Packing`)
+    ) -> Tensor:  # [B, T, hidden], or [n, hidden]: the `packed` positions, row-major
         B, T = input_ids.shape
+        if packed is not None and self.config.moe_layers:
+            raise ValueError("a packed forward needs a dense model: a MoE layer routes [B, T] "
+                             "rows; call it without `packed`")
         if positions is None:
             positions = torch.arange(cache_start, cache_start + T, device=input_ids.device).expand(B, T)
         body = self.model
@@ -245,7 +303,10 @@ class CausalLM(nn.Module):
             layers = [partial(_recomputed, layer, context) for layer in body.layers]
         with routing_scope(routing):
             return decoder_forward(body.embed_tokens, layers, body.norm, self.rope,
-                                   input_ids, positions, cache, cache_start, key_mask)
+                                   input_ids, positions, cache, cache_start, key_mask,
+                                   None if packed is None else Packing.of(
+                                       packed, None if key_mask is None else
+                                       key_mask[:, cache_start : cache_start + T]))
 
     def logits(self, input_ids: Tensor, **kwargs) -> Tensor:  # [B, T, vocab]
         return self.lm_head(self(input_ids, **kwargs))

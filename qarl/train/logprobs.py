@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from qarl.model.cache import SharedPrefixCache
-from qarl.model.decoder import CausalLM, Routing, positions_from_mask
+from qarl.model.decoder import CausalLM, Packing, Routing, positions_from_mask
 from qarl.quant.lora import lora_names
 from qarl.rollout.sampling import token_logprobs
 from qarl.train.precision import gradient_pass, lm_head_logits
@@ -58,7 +58,10 @@ def _predicting_hidden(model: CausalLM, batch: RolloutBatch, routing: Routing | 
     its forward (`SharedPrefixCache`): each distinct prompt runs once, then every row's
     response against its prompt's keys and values; the same function as one pass over every
     row's prompt + response, up to GEMM rounding. MoE routing replay takes the one-pass
-    forward (its expert records are per row)."""
+    forward (its expert records are per row). A dense model's responses run packed
+    (`Packing`): the padding after the responses shorter than the batch's longest, and each
+    response's last token, cost only their attention slots (a MoE block routes [B, T] rows).
+    The one-pass forward (no prompt shared: SFT's batches) keeps the padded pass."""
     P, L = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
     seq_mask = batch.sequence_mask()  # [N, P + L]
     positions = positions_from_mask(seq_mask)
@@ -72,8 +75,14 @@ def _predicting_hidden(model: CausalLM, batch: RolloutBatch, routing: Routing | 
     last = model(ids, positions=positions[prompts, :P], key_mask=mask, cache=cache)[:, -1:]
     if L == 1:
         return last.index_select(0, rows)
+    # only the inputs that predict a response token: the padding after a short response
+    # (rollouts are padded to the batch's longest) and each row's last token compute nothing
+    keep = None if model.config.moe_layers else batch.response_mask[:, 1:]  # [N, L-1] bool
     cont = model(batch.response_ids[:, : L - 1], positions=positions[:, P : P + L - 1],
-                 key_mask=seq_mask[:, : P + L - 1], cache=cache, cache_start=P)  # [N, L-1, H]
+                 key_mask=seq_mask[:, : P + L - 1], cache=cache, cache_start=P,
+                 packed=keep)  # [N, L-1, H], or [n, H] packed
+    if keep is not None:
+        cont = Packing.of(keep).pad(cont)
     return torch.cat([last.index_select(0, rows), cont], dim=1)
 
 

@@ -81,3 +81,19 @@ def test_prefix_cache_refuses_a_continuation_at_another_slot():
         cache.update(0, step, step, 2)
     keys, _ = cache.update(0, step, step, 3)
     assert keys.shape == (2, 1, 4, 4)
+
+
+def test_the_gradient_pass_computes_no_response_padding(tiny):
+    """Each distinct prompt runs once, then only the response tokens that predict another
+    (`Packing`): a layer sees G x P + sum(len - 1) rows, not G x P + N x (L - 1)."""
+    batch = _batch()
+    rows = []
+    hook = tiny.model.layers[0].mlp.up_proj.register_forward_hook(
+        lambda _m, args, _out: rows.append(args[0].shape[:-1].numel()))
+    try:
+        logp, _ = LP.response_logprobs(tiny, batch)
+    finally:
+        hook.remove()
+    lengths = batch.response_mask.sum(1)  # [5, 3, 5, 4, 2, 5, 1, 5]
+    assert rows == [2 * P, int((lengths - 1).sum())]
+    assert torch.equal(logp != 0, batch.response_mask)

@@ -32,6 +32,7 @@ from qarl.config.compare_schema import flatten_overrides
 from qarl.config.dist_checks import dist_is_possible
 from qarl.config.lora_checks import lora_fits
 from qarl.config.train_checks import (
+    codes_backward_has_codes,
     device_exists,
     forward_logp_is_inexact_mode,
     masters_can_learn,
@@ -374,6 +375,7 @@ CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
     (("train",), schedule_fits),
     (("model", "train", "sft"), masters_can_learn),
     (("train", "quant"), forward_logp_is_inexact_mode),
+    (("train", "quant"), codes_backward_has_codes),
     (("train", "dist"), device_exists),
     (("model", "task", "rollout", "eval"), context_fits),
     (("model", "rollout", "quant"), engine_fits),

@@ -37,6 +37,24 @@ def forward_logp_is_inexact_mode(train, quant) -> list[Problem]:
                         "'decode', or use 'forward' with quant.align = 'fake' or 'naive'")]
     return []
 
+def codes_backward_has_codes(train, quant) -> list[Problem]:
+    """train.quant_backward = 'codes' only for a format with int8 codes to multiply
+    (`Scheme.backward_on_codes`) in a quantized learner (fake or kernel alignment)."""
+    scheme = SCHEMES.get(quant.scheme)
+    if train.quant_backward != "codes" or scheme is None:
+        return []
+    if not scheme.backward_on_codes:
+        having = sorted(n for n, s in SCHEMES.items() if s.backward_on_codes)
+        return [Problem("train.quant_backward", f"'codes' with quant.scheme = {quant.scheme!r}, "
+                        f"whose codes have no int8 backward; it needs one of {having}. Use "
+                        "'float' or 'auto'")]
+    if quant.align == "naive":
+        return [Problem("train.quant_backward", "'codes' with quant.align = 'naive', whose "
+                        "learner is full precision and has no codes; use quant.align = "
+                        "'kernel' (or 'fake'), or quant_backward = 'auto'")]
+    return []
+
+
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 
 

@@ -15,6 +15,9 @@ OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("constant", "cosine", "linear")
 # The learner's gradient-pass dtypes (qarl.train.precision resolves "auto")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+# What the straight-through backward of a quantized learner multiplies (qarl.train.precision
+# resolves "auto" to one of qarl.quant.linear.BACKWARDS)
+QUANT_BACKWARDS = ("auto", "float", "codes")
 # Where the learner's logp values come from (qarl.train.setup.make_replayer builds the pass)
 LOGP_PATHS = ("decode", "forward")
 
@@ -78,6 +81,18 @@ class TrainSection(BaseModel):
         "AMX-BF16, float32 on other CPUs (with AVX512-BF16 alone a bf16 pass gains 0-7% per "
         "step over fp32 by oneDNN, measured on AMD Zen 4 and Zen 5; without bf16 arithmetic it "
         "is emulated, slower). See docs/training.md.")
+    quant_backward: Literal[QUANT_BACKWARDS] = Field(
+        "auto", description="What the straight-through backward of the learner's quantized "
+        "layers multiplies: 'float', the upstream gradient g with the dequantized weight and "
+        "activations in the gradient pass's dtype; 'codes', g with the int8 codes the forward "
+        "ran on (SwitchBack, Wortsman et al. 2023): dL/dx as an int8 GEMM of g, quantized per "
+        "row, with the weight codes, dL/dW as a GEMM of g with the activation codes (exact in "
+        "bf16: bf16 where the CPU has bf16 arithmetic or on CUDA, else fp32), for w8a8-int8 "
+        "in fake or kernel alignment. Forward values, old_logp and the ratio are unchanged; "
+        "dL/dx moves by g's int8 rounding (about 1% of its norm). 'auto': 'codes' where the "
+        "gradient pass is float32 and the forward's int8 GEMM runs on VNNI or AMX-INT8 "
+        "(kernel alignment, w8a8-int8), 'float' elsewhere. docs/training.md, 'The backward "
+        "on codes'.")
     logp_path: Literal[LOGP_PATHS] = Field(
         "decode", description="Where every logp value the losses read comes from (old_logp, "
         "and logp's value at each optimizer step after the first): 'decode', the learner's "

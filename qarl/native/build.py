@@ -83,6 +83,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "qarl_pack_s8": [p, i64, i64, i64, p, i32],
         "qarl_linear_s8_dynamic": [p, i64, i64, i64, p, p, i64, p, i64, i32],
         "qarl_quantize_s8_rows": [p, i64, i64, i64, p, i64, p, i32],
+        "qarl_quantize_s8_rows_scaled": [p, i64, i64, i64, p, p, i64, p, i32],
         "qarl_scale_s32": [p, i64, i64, p, p, p, i32],
         "qarl_s8_isa": [],
         "qarl_s8_set_isa": [i32],

@@ -134,28 +134,38 @@ def linear_s8_dynamic(x: Tensor, w: PackedS8) -> Tensor:
     return y
 
 
-def quantize_s8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+def quantize_s8_rows(x: Tensor, col_scales: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """x [M, K] float32 -> (codes [M, K] int8, scales [M] float32): numerics.int8_rows bit for
-    bit (the quantizer `linear_s8_dynamic` runs inside), one pass per row, rows in parallel."""
+    bit (the quantizer `linear_s8_dynamic` runs inside), one pass per row, rows in parallel.
+    With col_scales [K] float32: numerics.int8_rows(x * col_scales) bit for bit, the product
+    never written out."""
     x2 = _rows(x, torch.float32, x.shape[-1], "quantize_s8_rows")
     m, k = x2.shape
     codes = torch.empty(m, k, dtype=torch.int8)
     scales = torch.empty(m, dtype=torch.float32)
-    _lib().qarl_quantize_s8_rows(x2.data_ptr(), m, k, k, codes.data_ptr(), k, scales.data_ptr(),
-                                 _threads())
+    if col_scales is None:
+        _lib().qarl_quantize_s8_rows(x2.data_ptr(), m, k, k, codes.data_ptr(), k,
+                                     scales.data_ptr(), _threads())
+        return codes, scales
+    cs = col_scales.float().contiguous()
+    if cs.shape != (k,):
+        raise ValueError(f"quantize_s8_rows: col_scales of shape {tuple(cs.shape)} for rows of {k}")
+    _lib().qarl_quantize_s8_rows_scaled(x2.data_ptr(), m, k, k, cs.data_ptr(), codes.data_ptr(),
+                                        k, scales.data_ptr(), _threads())
     return codes, scales
 
 
-def scale_s32(acc: Tensor, xs: Tensor, ws: Tensor) -> Tensor:
+def scale_s32(acc: Tensor, xs: Tensor, ws: Tensor | None = None) -> Tensor:
     """acc [M, N] int32 (an exact int8 GEMM), xs [M], ws [N] float32 -> (acc * xs) * ws [M, N]
     float32, the same two rounded products as `acc.float() * xs[:, None] * ws[None]`, in one
-    pass."""
+    pass; without ws, `acc.float() * xs[:, None]`."""
     m, n = acc.shape
     acc = acc.contiguous()
-    xs, ws = xs.float().contiguous(), ws.float().contiguous()
+    xs = xs.float().contiguous()
+    ws = None if ws is None else ws.float().contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
-    _lib().qarl_scale_s32(acc.data_ptr(), m, n, xs.data_ptr(), ws.data_ptr(), y.data_ptr(),
-                          _threads())
+    _lib().qarl_scale_s32(acc.data_ptr(), m, n, xs.data_ptr(), None if ws is None else ws.data_ptr(),
+                          y.data_ptr(), _threads())
     return y
 
 

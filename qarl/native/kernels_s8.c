@@ -159,8 +159,28 @@ void qarl_quantize_s8_rows(const float* x, int64_t M, int64_t K, int64_t ldx, in
     for (int64_t m = 0; m < M; m++) qarl_quantize_row_s8(x + m * ldx, K, q + m * ldq, scales + m);
 }
 
+// Rows of x [M, K] times per-column factors cs [K], quantized as above: the codes and scales
+// numerics.int8_rows gives for x * cs[None, :] (each product rounded once, as torch's), without
+// writing that product out. For a straight-through backward's dL/dx on int8 weight codes.
+void qarl_quantize_s8_rows_scaled(const float* x, int64_t M, int64_t K, int64_t ldx,
+                                  const float* cs, int8_t* q, int64_t ldq, float* scales,
+                                  int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    {
+        float* row = (float*)malloc(sizeof(float) * (size_t)(K > 0 ? K : 1));
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            const float* xm = x + m * ldx;
+            for (int64_t k = 0; k < K; k++) row[k] = xm[k] * cs[k];
+            qarl_quantize_row_s8(row, K, q + m * ldq, scales + m);
+        }
+        free(row);
+    }
+}
+
 // y[m, n] = ((float)acc[m, n] * xs[m]) * ws[n]: an exact int32 GEMM result scaled as the
-// kernels above scale it (two rounded products, in that order), in one pass.
+// kernels above scale it (two rounded products, in that order), in one pass; with ws NULL,
+// (float)acc[m, n] * xs[m].
 void qarl_scale_s32(const int32_t* acc, int64_t M, int64_t N, const float* xs, const float* ws,
                     float* y, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -168,7 +188,11 @@ void qarl_scale_s32(const int32_t* acc, int64_t M, int64_t N, const float* xs, c
         const int32_t* a = acc + m * N;
         float* out = y + m * N;
         const float s = xs[m];
-        for (int64_t n = 0; n < N; n++) out[n] = ((float)a[n] * s) * ws[n];
+        if (ws == 0) {
+            for (int64_t n = 0; n < N; n++) out[n] = (float)a[n] * s;
+        } else {
+            for (int64_t n = 0; n < N; n++) out[n] = ((float)a[n] * s) * ws[n];
+        }
     }
 }
 

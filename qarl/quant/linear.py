@@ -40,6 +40,7 @@ from qarl.quant.scheme_base import run_rows
 from qarl.quant.schemes import Scheme, make_scheme
 
 MODES = ("fake", "kernel")
+BACKWARDS = ("float", "codes")  # QuantLinear.backward
 # The learner's alignment modes (recipe quant.align): a QuantLinear mode in the learner, or
 # "naive", a plain full-precision learner beside the quantized engine.
 ALIGNS = ("naive", "fake", "kernel")  # from no alignment to the exact one
@@ -60,17 +61,18 @@ class _STELinear(torch.autograd.Function):
     weight gradient lands in the master's dtype."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, fn, x_hat_fn, w_hat, act, compute):
+    def forward(ctx, x, weight, bias, fn, x_hat_fn, w_hat, act, compute, on_codes):
         # x: [M, K]; weight: master [N, K] (only its grad slot is used); w_hat: [N, K] in the
         # backward's compute dtype, or a function that makes it there (a layer whose forward
         # runs on codes: its dequantized weight exists one layer at a time in the backward,
         # not for every layer through the step); act: what x_hat_fn(*act) builds x_hat from,
-        # (x,) or the activation codes the forward's kernel ran on (Scheme.act_codes)
-        ctx.w_hat_fn = w_hat if callable(w_hat) else None
-        if ctx.w_hat_fn is None:
-            ctx.save_for_backward(w_hat, *act)
-        else:
-            ctx.save_for_backward(*act)
+        # (x,) or the activation codes the forward's kernel ran on (Scheme.act_codes);
+        # on_codes: (g -> dL/dx, (g, act) -> dL/dW or None) where the backward multiplies on
+        # the codes (QuantLinear.backward "codes"; w_hat is then None), else None
+        ctx.grad_x_fn, ctx.grad_w_fn = on_codes if on_codes is not None else (None, None)
+        ctx.held = isinstance(w_hat, Tensor)
+        ctx.w_hat_fn = None if ctx.held else w_hat
+        ctx.save_for_backward(*((w_hat,) if ctx.held else ()), *act)
         ctx.x_hat_fn, ctx.has_bias, ctx.dtypes = x_hat_fn, bias is not None, (x.dtype, weight.dtype)
         ctx.compute = compute
         # under autocast x may arrive in bf16 from the op before; the scheme's kernel takes fp32
@@ -79,19 +81,24 @@ class _STELinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # grad: [M, N]
         saved = ctx.saved_tensors
-        w_hat, act = (saved[0], saved[1:]) if ctx.w_hat_fn is None else (None, saved)
+        w_hat, act = (saved[0], saved[1:]) if ctx.held else (None, saved)
         g = grad.to(ctx.compute)
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            w_hat = w_hat if ctx.w_hat_fn is None else ctx.w_hat_fn()
+        if ctx.needs_input_grad[0] and ctx.grad_x_fn is not None:
+            grad_x = ctx.grad_x_fn(grad.float()).to(ctx.dtypes[0])  # from the codes
+        elif ctx.needs_input_grad[0]:
+            w_hat = w_hat if ctx.held else ctx.w_hat_fn()
             grad_x = K.learner_mm(g, w_hat).to(ctx.dtypes[0])  # dL/dx = g W_hat
             del w_hat  # one layer's at a time where it was made here
         if ctx.needs_input_grad[1]:
-            x_hat = ctx.x_hat_fn(*act).to(ctx.compute)
-            grad_w = K.learner_mm(g.t(), x_hat).to(ctx.dtypes[1])  # dL/dW = g^T x_hat
+            if ctx.grad_w_fn is not None:
+                grad_w = ctx.grad_w_fn(grad.float(), act).to(ctx.dtypes[1])  # on the codes
+            else:
+                x_hat = ctx.x_hat_fn(*act).to(ctx.compute)
+                grad_w = K.learner_mm(g.t(), x_hat).to(ctx.dtypes[1])  # dL/dW = g^T x_hat
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.float().sum(0)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 class QuantLinear(nn.Module):
@@ -109,6 +116,11 @@ class QuantLinear(nn.Module):
         self._qweight_key: tuple | None = None
         # [N, K] by dtype: fp32 for fake mode and backward, bf16 for a bf16 backward
         self._dequantized: dict[torch.dtype, Tensor] = {}
+        # What the straight-through backward multiplies (BACKWARDS; a learner's layers get
+        # train.quant_backward resolved): "float", g with W_hat and x_hat in the compute
+        # dtype; "codes", g with the weight's and the forward's activation codes
+        # (Scheme.grad_input_codes, Scheme.grad_weight_codes)
+        self.backward = "float"
         self.quantize_count = 0  # how many times this layer quantized its master weight
         self.released = False  # the master weight's storage is gone (release_master)
         # The other layers of this one's fused group (q/k/v, gate/up; set by quantize_model):
@@ -244,10 +256,17 @@ class QuantLinear(nn.Module):
                 fn = lambda t: run_rows(lambda _: self.scheme.matmul_codes(codes, qw), t,  # noqa: E731
                                         self.bias, self.out_features)
             # on the kernel the forward never reads W_hat: the backward makes it, one layer at a
-            # time; the fake forward reads it, cached per weight version
-            w_hat = ((lambda: self._dequantize(qw, compute)) if on_kernel
+            # time (or needs none: grad_input int8); the fake forward reads it, cached per
+            # weight version
+            on_codes = None
+            if self.backward == "codes":
+                on_codes = (lambda g: self.scheme.grad_input_codes(g, qw),  # noqa: E731
+                            self.scheme.grad_weight_codes if codes is not None else None)
+            w_hat = (None if on_codes is not None
+                     else (lambda: self._dequantize(qw, compute)) if on_kernel
                      else self.dequantized(compute))
-            y = _STELinear.apply(x2, self.weight, self.bias, fn, x_hat_fn, w_hat, act, compute)
+            y = _STELinear.apply(x2, self.weight, self.bias, fn, x_hat_fn, w_hat, act, compute,
+                                 on_codes)
         return y.reshape(*lead, self.out_features)
 
     def _fake(self, x: Tensor) -> Tensor:  # [M, K] -> [M, N] in x's dtype

@@ -149,6 +149,25 @@ class Scheme:
     def act_from_codes(self, codes: tuple[Tensor, ...]) -> Tensor:  # -> [M, K] = act_qdq(x)
         raise NotImplementedError(f"{type(self).__name__} has no activation codes")
 
+    # The straight-through backward on codes (QuantLinear.backward "codes", recipe
+    # train.quant_backward): formats whose weight and activation codes are int8 define the
+    # two methods below and `prefers_backward_on_codes`.
+    backward_on_codes = False
+
+    def prefers_backward_on_codes(self, device: torch.device) -> bool:
+        """Whether train.quant_backward = 'auto' multiplies on the codes on `device` (an fp32
+        gradient pass in kernel alignment): where their int8 GEMM is the fast one."""
+        return False
+
+    def grad_input_codes(self, g: Tensor, qw: QWeight) -> Tensor:  # -> [M, K] float32
+        """dL/dx = g W_hat for g [M, N] float32, multiplied on the weight's codes."""
+        raise NotImplementedError(f"{type(self).__name__} has no backward on codes")
+
+    def grad_weight_codes(self, g: Tensor, codes: tuple[Tensor, ...]) -> Tensor:  # -> [N, K]
+        """dL/dW = g^T x_hat for g [M, N] float32, multiplied on the forward's activation
+        codes (`act_codes`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no backward on codes")
+
     def kernel_for_gradients(self, device: torch.device) -> bool:
         """Whether a learner's gradient pass (kernel alignment, with grad) runs this kernel,
         or F.linear on act_qdq(x) and the dequantized weight: the same function up to

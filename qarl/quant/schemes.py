@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from qarl import native as nat
-from qarl.native.isa import has_int8_dot
+from qarl.native.isa import has_bf16_math, has_int8_dot
 from qarl.quant import kernels as K
 from qarl.quant import numerics as nm
 from qarl.quant.qweight import QWeight
@@ -159,6 +159,35 @@ class Int8Scheme(Scheme):
             return nat.scale_s32(acc, xs, qw.scales)  # the same two products, one pass
         return acc.float() * xs[:, None] * qw.scales[None, :]
 
+    backward_on_codes = True
+
+    def prefers_backward_on_codes(self, device: torch.device) -> bool:
+        # torch._int_mm on VNNI / AMX-INT8 (3.7-4x oneDNN's fp32 at the learner's shapes on
+        # AMD Zen 4: docs/training.md); CUDA learners run bf16 there ('auto' compute)
+        return device.type == "cpu" and self.method(device) == "int_mm"
+
+    def grad_input_codes(self, g: Tensor, qw: QWeight) -> Tensor:
+        # SwitchBack (Wortsman et al. 2023): W_hat[n, k] = s_w[n] q[n, k] varies along the
+        # contraction n, so s_w moves onto g's columns; g' = g s_w is quantized per row like an
+        # activation and g W_hat ~ s_g[m] sum_n q_g[m, n] q[n, k], the sum exact in int32. The
+        # codes [N, K] are already the [contraction, output] operand torch._int_mm takes. The
+        # one approximation is g' rounded to int8: 0.9% of the result's norm for Gaussian g.
+        g = g.float()
+        native = g.device.type == "cpu" and K.native_ok(g.device)
+        # one pass, g' never written out, where qarl.native runs (the same bits)
+        gq, gs = nat.quantize_s8_rows(g, qw.scales) if native else nm.int8_rows(g * qw.scales)
+        acc = K.exact_int8_gemm(gq, qw.codes, "int_mm", [qw.codes])  # [M, K] int32
+        return nat.scale_s32(acc, gs) if native else acc.float() * gs[:, None]
+
+    def grad_weight_codes(self, g: Tensor, codes: tuple[Tensor, Tensor]) -> Tensor:
+        # x_hat[m, k] = s_x[m] q_x[m, k]: s_x moves onto g's rows (the contraction), and the
+        # codes, integers of at most 8 bits, are exact in bf16: a bf16 GEMM rounds g' = g s_x
+        # only (2^-9 relative), where the CPU has bf16 arithmetic or on CUDA; fp32 elsewhere
+        xq, xs = codes
+        dtype = torch.bfloat16 if _bf16_fast(g.device) else torch.float32
+        gp = (g.float() * xs[:, None]).to(dtype)
+        return K.learner_mm(gp.t(), xq.to(dtype)).float()
+
     def kernel_path(self, device: torch.device, qw: QWeight) -> str:
         method = self.method(device)
         if method == "native":
@@ -176,6 +205,11 @@ class Int8Scheme(Scheme):
 # torch._int_mm; from it on oneDNN is 2-4x faster (Intel Xeon, AVX512-VNNI, 2 threads:
 # qarl/native/README.md). Integer sums are exact, so the switch never changes a bit.
 INT_MM_MIN_ROWS = 16
+
+
+def _bf16_fast(device: torch.device) -> bool:
+    """A bf16 GEMM runs faster than fp32 on `device`: CUDA, or a CPU with bf16 arithmetic."""
+    return device.type == "cuda" or (device.type == "cpu" and has_bf16_math())
 
 
 def _int8_rows(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -174,10 +174,12 @@ def follow(rank: int, world: int, init, config: RunConfig) -> int:
     dtype = DTYPES[config.model.master_dtype]
     try:
         if group.lockstep:  # FSDP: the structure only; the shards are filled from rank 0
-            model = quantize_learner(load_skeleton(config.model.name, dtype=dtype), config.quant)
+            model = quantize_learner(load_skeleton(config.model.name, dtype=dtype),
+                                     config.quant, config.train)
             learner: Learner = _fsdp_learner(config, group, model, None)
         else:
-            model = quantize_learner(load_model(config.model.name, dtype=dtype), config.quant)
+            model = quantize_learner(load_model(config.model.name, dtype=dtype),
+                                     config.quant, config.train)
             adapt_learner(model, config)  # LoRA: rank 0's adapters arrive with its state
             optimizers = _optimizers(config)(model)
             share_state(group, model, optimizers)

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from qarl.native.isa import has_amx_bf16, has_bf16_math
+from qarl.quant import SCHEMES, QuantLinear
 from qarl.quant import kernels as K
 
 
@@ -38,6 +39,39 @@ def resolve_compute_dtype(requested: str, device: torch.device) -> torch.dtype:
         fast = device.type == "cuda" or (device.type == "cpu" and has_amx_bf16())
         return torch.bfloat16 if fast else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[requested]
+
+
+def resolve_quant_backward(requested: str, scheme: str, align: str, device: torch.device,
+                           compute: torch.dtype) -> str:
+    """train.quant_backward as a QuantLinear.backward: 'auto' is 'codes' where the format
+    multiplies on its int8 codes at int8 speed on `device` (`Scheme.prefers_backward_on_codes`)
+    in a kernel-aligned learner with an fp32 gradient pass, 'float' elsewhere (a bf16 pass on
+    AMX runs its GEMMs faster than oneDNN's int8 one there)."""
+    if requested != "auto":
+        return requested
+    fmt = SCHEMES[scheme]
+    codes = (align == "kernel" and compute == torch.float32 and fmt.backward_on_codes
+             and fmt.prefers_backward_on_codes(device))
+    return "codes" if codes else "float"
+
+
+def set_quant_backward(model: nn.Module, backward: str) -> int:
+    """Every QuantLinear of `model` multiplies its backward as `backward` says; -> how many."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for layer in layers:
+        layer.backward = backward
+    return len(layers)
+
+
+def describe_quant_backward(backward: str, requested: str,
+                            device: torch.device = torch.device("cpu")) -> str:
+    """The run's start line's part on the quantized layers' backward."""
+    if backward == "codes":
+        grad_w = "bf16" if device.type == "cuda" or has_bf16_math() else "fp32"
+        what = f"on the int8 codes (dL/dx by an int8 GEMM, dL/dW in {grad_w})"
+    else:
+        what = "on the dequantized weight and activations"
+    return f"quantized layers' backward {what} (train.quant_backward = {requested!r})"
 
 
 def gradient_pass(dtype: torch.dtype, device: torch.device) -> ContextManager:

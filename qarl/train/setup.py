@@ -28,7 +28,8 @@ from typing import IO, Iterator
 import torch
 
 from qarl.config import (
-    LoraSection, QuantSection, RolloutSection, RunConfig, TaskSection, save_resolved,
+    LoraSection, QuantSection, RolloutSection, RunConfig, TaskSection, TrainSection,
+    save_resolved,
 )
 from qarl.errors import UserError
 from qarl.model import DTYPES, CausalLM, load_model, load_tokenizer
@@ -42,6 +43,7 @@ from qarl.train.contract import RunContract
 from qarl.train.learner import AlignedLearner, Learner
 from qarl.train.logprobs import ForwardScorer
 from qarl.train.optim import build_optimizer
+from qarl.train.precision import resolve_compute_dtype, resolve_quant_backward, set_quant_backward
 from qarl.train.sync import WeightSync
 from qarl.types import SamplingParams
 
@@ -211,11 +213,18 @@ def pushes_codes(config: RunConfig) -> bool:
     return config.quant.align != "naive" and config.rollout.engine == "local"
 
 
-def quantize_learner(learner: CausalLM, quant: QuantSection) -> CausalLM:
+def quantize_learner(learner: CausalLM, quant: QuantSection,
+                     train: TrainSection | None = None) -> CausalLM:
     """The learner in its alignment mode, in place: the same layers as the engine's copy in
-    quant.align mode; left plain for `naive` or an identity scheme."""
+    quant.align mode; left plain for `naive` or an identity scheme. With `train` (a learner
+    that trains), its layers' backward is train.quant_backward's."""
     if not SCHEMES[quant.scheme].is_identity and quant.align != "naive":
         quantize_model(learner, quant.scheme, mode=quant.align, **_quant_kwargs(quant))
+        if train is not None:
+            device = torch.device(train.device)
+            compute = resolve_compute_dtype(train.compute_dtype, device)
+            set_quant_backward(learner, resolve_quant_backward(
+                train.quant_backward, quant.scheme, quant.align, device, compute))
     return learner
 
 
@@ -289,7 +298,7 @@ def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | No
         engine = make_engine(config, engine_copy(learner, config.quant, pushes_codes(config),
                                                  config.lora), tokenizer,
                              None if run_dir is None else Path(run_dir) / "vllm_policy")
-    quantize_learner(learner, config.quant)
+    quantize_learner(learner, config.quant, config.train)
     adapters = adapt_learner(learner, config)  # trains the adapters only, when there are any
     train = config.train
     optimizers = build_optimizer(learner, train.optimizer, train.lr, train.weight_decay,

@@ -21,6 +21,7 @@ from typing import Any, Mapping, Sequence
 
 from qarl.config import RunConfig, load_config, to_toml
 from qarl.native.memory import tune_allocator
+from qarl.quant import QuantLinear
 from qarl.quant.contract import ContractBroken
 from qarl.train import checkpoint
 from qarl.train.contract import OverBudget
@@ -38,7 +39,9 @@ from qarl.train.phases import (
     Experience, PhaseTimer, compute_advantages, reward_metrics, reward_responses,
     sample_metrics, train_examples,
 )
-from qarl.train.precision import describe_compute, resolve_compute_dtype
+from qarl.train.precision import (
+    describe_compute, describe_quant_backward, resolve_compute_dtype,
+)
 from qarl.train.resume import ResumePoint, resume_point
 from qarl.train.setup import Data, Policy, open_run, sampling_params
 from qarl.train.sft import warm_start
@@ -166,9 +169,14 @@ class Loop:
             self.log.write(f"resumed from {resume_from} at step {self.done}")
         requested = self.config.train.compute_dtype
         device = self.policy.device
+        model = getattr(getattr(self.policy.learner, "inner", self.policy.learner), "model", None)
+        backward = None if model is None else next(
+            (m.backward for m in model.modules() if isinstance(m, QuantLinear)), None)
         self.log.write(f"learner on {device}, gradient pass: "
                        + describe_compute(resolve_compute_dtype(requested, device), requested,
-                                        device))
+                                        device)
+                       + ("" if backward is None else "; " + describe_quant_backward(
+                           backward, self.config.train.quant_backward, device)))
         if self.config.train.logp_path == "forward":
             learner = getattr(self.policy.learner, "inner", self.policy.learner)  # ranks
             later = ("read from its own gradient forward, which computes the same bits"

@@ -157,6 +157,14 @@ def test_quantizer_and_scaling_helpers_equal_the_torch_ops():
                         dtype=torch.int32)
     xs, ws = _rand((33,), 1).abs(), _rand((97,), 2).abs()
     assert torch.equal(nat.scale_s32(acc, xs, ws), acc.float() * xs[:, None] * ws[None, :])
+    assert torch.equal(nat.scale_s32(acc, xs), acc.float() * xs[:, None])
+    # with per-column factors: the codes of x * cs, the product rounded once as torch's
+    cs = _rand((1537,), 3).abs() + 0.01
+    codes, scales = nat.quantize_s8_rows(x, cs)
+    ref_codes, ref_scales = nm.int8_rows(x * cs)
+    assert torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales)
+    with pytest.raises(ValueError, match="col_scales"):
+        nat.quantize_s8_rows(x, cs[:-1])
 
 
 @pytest.mark.parametrize("group", [16, 32, 64, 128])

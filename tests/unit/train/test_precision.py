@@ -92,3 +92,40 @@ def test_learner_linears_run_every_linear_by_onednn_with_the_same_gradients(monk
     torch.testing.assert_close(y_dnn, y_mkl, rtol=1e-5, atol=1e-5)
     for a, b in zip(g_dnn, g_mkl):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("flags, scheme, align, compute, want", [
+    ({"avx512_vnni"}, "w8a8-int8", "kernel", torch.float32, "codes"),
+    ({"amx_int8", "amx_tile"}, "w8a8-int8", "kernel", torch.float32, "codes"),
+    ({"avx512_vnni"}, "w8a8-int8", "kernel", torch.bfloat16, "float"),  # a bf16 pass
+    ({"avx512_vnni"}, "w8a8-int8", "fake", torch.float32, "float"),
+    ({"avx512_vnni"}, "w4a16-int4", "kernel", torch.float32, "float"),  # no int8 codes
+    ({"avx2"}, "w8a8-int8", "kernel", torch.float32, "float"),  # AVX2: int8 at most 2x fp32
+])
+def test_auto_backward_on_codes_where_the_int8_gemm_is_the_fast_one(
+        monkeypatch, flags, scheme, align, compute, want):
+    """train.quant_backward = 'auto' multiplies on the codes only for an fp32 gradient pass of
+    a kernel-aligned w8a8-int8 learner on a CPU whose int8 GEMM is torch._int_mm on VNNI /
+    AMX-INT8; the explicit values are taken as they are; the log line says which."""
+    from qarl.quant import schemes
+
+    monkeypatch.setattr(schemes, "has_int8_dot", lambda: bool(flags & {"avx512_vnni", "amx_int8"}))
+    cpu = torch.device("cpu")
+    assert precision.resolve_quant_backward("auto", scheme, align, cpu, compute) == want
+    for value in ("float", "codes"):
+        assert precision.resolve_quant_backward(value, scheme, align, cpu, compute) == value
+    line = precision.describe_quant_backward(want, "auto")
+    assert ("int8 codes" in line) == (want == "codes") and "'auto'" in line
+
+
+def test_quantize_learner_sets_every_quantized_layer_backward():
+    from qarl.model import load_model
+    from qarl.quant import QuantLinear
+    from qarl.train.setup import quantize_learner
+
+    config = load_config("tiny", {"train.quant_backward": "codes"})
+    model = quantize_learner(load_model("tiny"), config.quant, config.train)
+    backwards = {m.backward for m in model.modules() if isinstance(m, QuantLinear)}
+    assert backwards == {"codes"}
+    plain = quantize_learner(load_model("tiny"), config.quant)  # not a training learner
+    assert {m.backward for m in plain.modules() if isinstance(m, QuantLinear)} == {"float"}

@@ -3,7 +3,8 @@ CPU) dequantizes its weight in the backward, one layer at a time, instead of hol
 dequantized copy of every layer through the step: one JSON object with the update's seconds
 per step of two policies built in one process and stepped in turn (as benchmarks/step_time.py
 does), "layerwise" (qarl's behaviour) and "held" (each layer's backward reads the copy
-cached per weight version, as before 42b8f1b).
+cached per weight version, as before 42b8f1b), both with train.quant_backward = 'float' (the
+backward on codes reads no dequantized weight).
 
     .venv/bin/python benchmarks/backward_dequant.py --steps 7
     .venv/bin/python benchmarks/backward_dequant.py --steps 7 --first held   # the other order
@@ -44,7 +45,9 @@ def main() -> None:
                         help="the arm that steps first in each round (the ratios are against it)")
     args = parser.parse_args()
     tune_allocator()
-    arms = [("layerwise", {}), ("held", {})]
+    # the float backward, which reads W_hat (the backward on codes needs none)
+    float_backward = {"train.quant_backward": "float"}
+    arms = [("layerwise", float_backward), ("held", float_backward)]
     with tempfile.TemporaryDirectory() as out:
         result = measure("default", arms if args.first == "layerwise" else arms[::-1],
                          args.steps, None, out, prepare=hold)

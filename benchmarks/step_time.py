@@ -20,8 +20,9 @@ out of the means; `contract` is the per-sync digest check's share of `sync`
 (docs/training.md). `--ignore-eos` (as vLLM's throughput benchmark does) makes every response
 run to `--tokens`: the arms then do the same work per step whatever their policies write, so
 their step ratio is not a ratio of response lengths (the responses' text past the end token is
-noise, and so are the rewards). The JSON names the machine (CPU, ISA levels, threads) and the int8 GEMM chosen here; `ratio` is
-each arm's mean step against the first arm's.
+noise, and so are the rewards). The JSON names the machine (CPU, ISA levels, threads) and the int8 GEMM chosen here, and each
+arm's `quant_backward` (what its quantized layers' backward multiplies: train.quant_backward
+resolved); `ratio` is each arm's mean step against the first arm's.
 """
 
 from __future__ import annotations
@@ -84,12 +85,23 @@ def measure(recipe: str, arms: list[tuple[str, dict]], steps: int, tokens: int |
                                        "tokens": metrics["response/length_mean"]})
         kernel = SCHEMES["w8a8-int8"].kernel_path(
             runs[0][2].learner.model.model.embed_tokens.weight.device, None)
+        backward = {name: _backward(policy.learner.model) for name, _, policy, _ in runs}
     means = {name: {k: round(sum(r[k] for r in rs) / len(rs), 3) for k in rs[0]}
              for name, rs in rows.items()}
     first = means[arms[0][0]]["step"]
     for m in means.values():
         m["ratio"] = round(first / m["step"], 3)  # > 1: faster than the first arm
+    for name, m in means.items():
+        m["quant_backward"] = backward[name]
     return {"arms": means, "int8_gemm": kernel}
+
+
+def _backward(model) -> str:
+    """What the learner's quantized layers' backward multiplies (QuantLinear.backward), or
+    "none" for a learner without quantized layers."""
+    from qarl.quant import QuantLinear
+
+    return next((m.backward for m in model.modules() if isinstance(m, QuantLinear)), "none")
 
 
 def ignore_eos(name: str, policy) -> None:

@@ -38,7 +38,7 @@ def forward_logp_is_inexact_mode(train, quant) -> list[Problem]:
     return []
 
 def codes_backward_has_codes(train, quant) -> list[Problem]:
-    """train.quant_backward = 'codes' only for a format with int8 codes to multiply
+    """train.quant_backward = 'codes' only for a format with a backward on codes
     (`Scheme.backward_on_codes`) in a quantized learner (fake or kernel alignment)."""
     scheme = SCHEMES.get(quant.scheme)
     if train.quant_backward != "codes" or scheme is None:
@@ -46,7 +46,7 @@ def codes_backward_has_codes(train, quant) -> list[Problem]:
     if not scheme.backward_on_codes:
         having = sorted(n for n, s in SCHEMES.items() if s.backward_on_codes)
         return [Problem("train.quant_backward", f"'codes' with quant.scheme = {quant.scheme!r}, "
-                        f"whose codes have no int8 backward; it needs one of {having}. Use "
+                        f"which has no backward on codes; it needs one of {having}. Use "
                         "'float' or 'auto'")]
     if quant.align == "naive":
         return [Problem("train.quant_backward", "'codes' with quant.align = 'naive', whose "

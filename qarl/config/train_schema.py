@@ -84,15 +84,16 @@ class TrainSection(BaseModel):
     quant_backward: Literal[QUANT_BACKWARDS] = Field(
         "auto", description="What the straight-through backward of the learner's quantized "
         "layers multiplies: 'float', the upstream gradient g with the dequantized weight and "
-        "activations in the gradient pass's dtype; 'codes', g with the int8 codes the forward "
-        "ran on (SwitchBack, Wortsman et al. 2023): dL/dx as an int8 GEMM of g, quantized per "
-        "row, with the weight codes, dL/dW as a GEMM of g with the activation codes (exact in "
-        "bf16: bf16 where the CPU has bf16 arithmetic or on CUDA, else fp32), for w8a8-int8 "
-        "in fake or kernel alignment. Forward values, old_logp and the ratio are unchanged; "
-        "dL/dx moves by g's int8 rounding (about 1% of its norm). 'auto': 'codes' where the "
-        "gradient pass is float32 and the forward's int8 GEMM runs on VNNI or AMX-INT8 "
-        "(kernel alignment, w8a8-int8), 'float' elsewhere. docs/training.md, 'The backward "
-        "on codes'.")
+        "activations in the gradient pass's dtype; 'codes', g with the codes the forward ran "
+        "on. w8a8-int8 (SwitchBack, Wortsman et al. 2023): dL/dx as an int8 GEMM of g, "
+        "quantized per row, with the weight codes (g's int8 rounding: about 1% of dL/dx's "
+        "norm), dL/dW as a GEMM of g with the int8 activation codes; w4a16-int4 and "
+        "w4a16-nvfp4: dL/dW with the bf16 activations their kernel takes, dL/dx in float. "
+        "dL/dW's GEMM runs in bf16 where the CPU has bf16 arithmetic or on CUDA (the codes are "
+        "exact in bf16: g's rounding only), else fp32. Forward values, old_logp and the ratio "
+        "are unchanged. 'auto': 'codes' for a kernel-aligned learner with a float32 gradient "
+        "pass where those GEMMs are the faster ones (int8 on VNNI or AMX-INT8; W4A16 on a CPU "
+        "with bf16 arithmetic), 'float' elsewhere. docs/training.md, 'The backward on codes'.")
     logp_path: Literal[LOGP_PATHS] = Field(
         "decode", description="Where every logp value the losses read comes from (old_logp, "
         "and logp's value at each optimizer step after the first): 'decode', the learner's "

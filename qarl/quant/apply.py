@@ -183,10 +183,10 @@ def load_state(model: nn.Module, state: dict[str, Tensor | QWeight], strict: boo
 
 def describe(model: nn.Module) -> dict[str, str]:
     """{layer name: "scheme/mode: kernel path and why"} for every QuantLinear (for logs), with
-    "; backward on the int8 codes" where the layer's backward multiplies on them."""
+    "; backward on codes" where the layer's backward multiplies on them."""
     return {
         name: f"{layer.scheme.name}/{layer.mode}: {layer.kernel_path()}"
-        + ("; backward on the int8 codes" if layer.backward == "codes" else "")
+        + ("; backward on codes" if layer.backward == "codes" else "")
         for name, layer in quant_layers(model).items()
     }
 

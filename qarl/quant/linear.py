@@ -67,9 +67,9 @@ class _STELinear(torch.autograd.Function):
         # runs on codes: its dequantized weight exists one layer at a time in the backward,
         # not for every layer through the step); act: what x_hat_fn(*act) builds x_hat from,
         # (x,) or the activation codes the forward's kernel ran on (Scheme.act_codes);
-        # on_codes: (g -> dL/dx, (g, act) -> dL/dW or None) where the backward multiplies on
-        # the codes (QuantLinear.backward "codes"; w_hat is then None), else None
-        ctx.grad_x_fn, ctx.grad_w_fn = on_codes if on_codes is not None else (None, None)
+        # on_codes: (g -> dL/dx or None, (g, act) -> dL/dW or None), the products the backward
+        # takes on codes (QuantLinear.backward "codes"; w_hat is None where dL/dx is one)
+        ctx.grad_x_fn, ctx.grad_w_fn = on_codes
         ctx.held = isinstance(w_hat, Tensor)
         ctx.w_hat_fn = None if ctx.held else w_hat
         ctx.save_for_backward(*((w_hat,) if ctx.held else ()), *act)
@@ -249,24 +249,34 @@ class QuantLinear(nn.Module):
                        and torch.is_autocast_enabled(device) else torch.float32)
             on_kernel = self.mode == "kernel" and self.scheme.kernel_for_gradients(x.device)
             codes = self.scheme.act_codes(x2.detach().float()) if on_kernel else None
-            if codes is None:  # x itself (often the tensor the layer beside keeps too)
+            on_codes = self.backward == "codes"
+            # what the backward keeps of x: the codes the kernel ran on, else (backward on
+            # codes) the format's own form of x_hat where it has one, else x itself (often
+            # the tensor the layer beside keeps too)
+            kept = (codes if codes is not None or not on_codes
+                    else self.scheme.backward_codes(x2.detach().float()))
+            if kept is None:
                 act, x_hat_fn = (x2,), lambda t: self.scheme.act_qdq(t.float())
-            else:  # the kernel runs on codes kept for the backward's x_hat (4x smaller than x)
-                act, x_hat_fn = codes, lambda *c: self.scheme.act_from_codes(c)
+            else:  # 4x (int8) or 2x (bf16) smaller than x
+                act, x_hat_fn = kept, lambda *c: self.scheme.act_from_codes(c)
+            if codes is not None:  # the kernel runs on the codes
                 fn = lambda t: run_rows(lambda _: self.scheme.matmul_codes(codes, qw), t,  # noqa: E731
                                         self.bias, self.out_features)
-            # on the kernel the forward never reads W_hat: the backward makes it, one layer at a
-            # time (or needs none: grad_input int8); the fake forward reads it, cached per
+            # the backward on codes: dL/dx on the weight's codes where the format has it,
+            # dL/dW on the kept activation codes
+            grad_x_fn = grad_w_fn = None
+            if on_codes and self.scheme.grad_input_on_codes:
+                grad_x_fn = lambda g: self.scheme.grad_input_codes(g, qw)  # noqa: E731
+            if on_codes and kept is not None:
+                grad_w_fn = self.scheme.grad_weight_codes
+            # W_hat, for a float dL/dx: on the kernel the forward never reads it, so the
+            # backward makes it, one layer at a time; the fake forward reads it, cached per
             # weight version
-            on_codes = None
-            if self.backward == "codes":
-                on_codes = (lambda g: self.scheme.grad_input_codes(g, qw),  # noqa: E731
-                            self.scheme.grad_weight_codes if codes is not None else None)
-            w_hat = (None if on_codes is not None
+            w_hat = (None if grad_x_fn is not None
                      else (lambda: self._dequantize(qw, compute)) if on_kernel
                      else self.dequantized(compute))
             y = _STELinear.apply(x2, self.weight, self.bias, fn, x_hat_fn, w_hat, act, compute,
-                                 on_codes)
+                                 (grad_x_fn, grad_w_fn))
         return y.reshape(*lead, self.out_features)
 
     def _fake(self, x: Tensor) -> Tensor:  # [M, K] -> [M, N] in x's dtype

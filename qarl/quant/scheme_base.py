@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from qarl import native as nat
+from qarl.native.isa import has_bf16_math
 from qarl.quant import kernels as K
 from qarl.quant.qweight import QWeight
 
@@ -150,22 +151,30 @@ class Scheme:
         raise NotImplementedError(f"{type(self).__name__} has no activation codes")
 
     # The straight-through backward on codes (QuantLinear.backward "codes", recipe
-    # train.quant_backward): formats whose weight and activation codes are int8 define the
-    # two methods below and `prefers_backward_on_codes`.
+    # train.quant_backward): a format with `backward_on_codes` multiplies dL/dW on the
+    # activations in the form its kernel takes them (`grad_weight_codes`: the codes of
+    # `act_codes` where the forward ran on them, else `backward_codes`), and with
+    # `grad_input_on_codes` dL/dx on the weight's codes too (`grad_input_codes`).
     backward_on_codes = False
+    grad_input_on_codes = False
 
     def prefers_backward_on_codes(self, device: torch.device) -> bool:
         """Whether train.quant_backward = 'auto' multiplies on the codes on `device` (an fp32
-        gradient pass in kernel alignment): where their int8 GEMM is the fast one."""
+        gradient pass in kernel alignment): where their GEMM is the faster one."""
         return False
+
+    def backward_codes(self, x: Tensor) -> tuple[Tensor, ...] | None:
+        """What a layer keeps of x [M, K] float32 for `grad_weight_codes` where its forward
+        ran on no codes (`act_codes` gave none); None: it keeps x (the float dL/dW)."""
+        return None
 
     def grad_input_codes(self, g: Tensor, qw: QWeight) -> Tensor:  # -> [M, K] float32
         """dL/dx = g W_hat for g [M, N] float32, multiplied on the weight's codes."""
-        raise NotImplementedError(f"{type(self).__name__} has no backward on codes")
+        raise NotImplementedError(f"{type(self).__name__} has no dL/dx on codes")
 
     def grad_weight_codes(self, g: Tensor, codes: tuple[Tensor, ...]) -> Tensor:  # -> [N, K]
-        """dL/dW = g^T x_hat for g [M, N] float32, multiplied on the forward's activation
-        codes (`act_codes`)."""
+        """dL/dW = g^T x_hat for g [M, N] float32, multiplied on the activation codes kept
+        by the forward (`act_codes` or `backward_codes`)."""
         raise NotImplementedError(f"{type(self).__name__} has no backward on codes")
 
     def kernel_for_gradients(self, device: torch.device) -> bool:
@@ -226,3 +235,16 @@ class Scheme:
 
     def matches(self, qw: QWeight) -> bool:
         return qw.scheme == self.name
+
+
+def bf16_fast(device: torch.device) -> bool:
+    """A bf16 GEMM runs faster than fp32 on `device`: CUDA, or a CPU with bf16 arithmetic."""
+    return device.type == "cuda" or (device.type == "cpu" and has_bf16_math())
+
+
+def codes_gemm(g: Tensor, codes: Tensor) -> Tensor:
+    """g^T codes [N, K] float32 for g [M, N] float32 and activation codes [M, K] that bf16
+    holds exactly (int8 codes, bf16 activations): in bf16 where `bf16_fast` (g's rounding is
+    the one approximation), else fp32 (exact operands)."""
+    dtype = torch.bfloat16 if bf16_fast(g.device) else torch.float32
+    return K.learner_mm(g.to(dtype).t(), codes.to(dtype)).float()

@@ -10,11 +10,11 @@ import torch
 from torch import Tensor
 
 from qarl import native as nat
-from qarl.native.isa import has_bf16_math, has_int8_dot
+from qarl.native.isa import has_int8_dot
 from qarl.quant import kernels as K
 from qarl.quant import numerics as nm
 from qarl.quant.qweight import QWeight
-from qarl.quant.scheme_base import Scheme
+from qarl.quant.scheme_base import Scheme, codes_gemm
 from qarl.quant.schemes_4bit import Int4Scheme, Nvfp4Scheme, W4A8Scheme
 
 __all__ = [
@@ -159,7 +159,7 @@ class Int8Scheme(Scheme):
             return nat.scale_s32(acc, xs, qw.scales)  # the same two products, one pass
         return acc.float() * xs[:, None] * qw.scales[None, :]
 
-    backward_on_codes = True
+    backward_on_codes = grad_input_on_codes = True
 
     def prefers_backward_on_codes(self, device: torch.device) -> bool:
         # torch._int_mm on VNNI / AMX-INT8 (3.7-4x oneDNN's fp32 at the learner's shapes on
@@ -182,11 +182,9 @@ class Int8Scheme(Scheme):
     def grad_weight_codes(self, g: Tensor, codes: tuple[Tensor, Tensor]) -> Tensor:
         # x_hat[m, k] = s_x[m] q_x[m, k]: s_x moves onto g's rows (the contraction), and the
         # codes, integers of at most 8 bits, are exact in bf16: a bf16 GEMM rounds g' = g s_x
-        # only (2^-9 relative), where the CPU has bf16 arithmetic or on CUDA; fp32 elsewhere
+        # only (2^-9 relative), where bf16 GEMMs are fast (`bf16_fast`); fp32 elsewhere
         xq, xs = codes
-        dtype = torch.bfloat16 if _bf16_fast(g.device) else torch.float32
-        gp = (g.float() * xs[:, None]).to(dtype)
-        return K.learner_mm(gp.t(), xq.to(dtype)).float()
+        return codes_gemm(g.float() * xs[:, None], xq)
 
     def kernel_path(self, device: torch.device, qw: QWeight) -> str:
         method = self.method(device)
@@ -205,11 +203,6 @@ class Int8Scheme(Scheme):
 # torch._int_mm; from it on oneDNN is 2-4x faster (Intel Xeon, AVX512-VNNI, 2 threads:
 # qarl/native/README.md). Integer sums are exact, so the switch never changes a bit.
 INT_MM_MIN_ROWS = 16
-
-
-def _bf16_fast(device: torch.device) -> bool:
-    """A bf16 GEMM runs faster than fp32 on `device`: CUDA, or a CPU with bf16 arithmetic."""
-    return device.type == "cuda" or (device.type == "cpu" and has_bf16_math())
 
 
 def _int8_rows(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -43,10 +43,12 @@ def resolve_compute_dtype(requested: str, device: torch.device) -> torch.dtype:
 
 def resolve_quant_backward(requested: str, scheme: str, align: str, device: torch.device,
                            compute: torch.dtype) -> str:
-    """train.quant_backward as a QuantLinear.backward: 'auto' is 'codes' where the format
-    multiplies on its int8 codes at int8 speed on `device` (`Scheme.prefers_backward_on_codes`)
-    in a kernel-aligned learner with an fp32 gradient pass, 'float' elsewhere (a bf16 pass on
-    AMX runs its GEMMs faster than oneDNN's int8 one there)."""
+    """train.quant_backward as a QuantLinear.backward: 'auto' is 'codes' where the format's
+    products on codes are the faster ones on `device` (`Scheme.prefers_backward_on_codes`:
+    int8 on VNNI / AMX-INT8, W4A16's bf16 activations on a CPU with bf16 arithmetic) in a
+    kernel-aligned learner with an fp32 gradient pass, 'float' elsewhere (a bf16 pass, the
+    default on AMX CPUs and CUDA, already multiplies in bf16, faster than oneDNN's int8 GEMM
+    there)."""
     if requested != "auto":
         return requested
     fmt = SCHEMES[scheme]
@@ -63,12 +65,14 @@ def set_quant_backward(model: nn.Module, backward: str) -> int:
     return len(layers)
 
 
-def describe_quant_backward(backward: str, requested: str,
+def describe_quant_backward(backward: str, requested: str, scheme: str,
                             device: torch.device = torch.device("cpu")) -> str:
     """The run's start line's part on the quantized layers' backward."""
     if backward == "codes":
         grad_w = "bf16" if device.type == "cuda" or has_bf16_math() else "fp32"
-        what = f"on the int8 codes (dL/dx by an int8 GEMM, dL/dW in {grad_w})"
+        grad_x = ("dL/dx by an int8 GEMM" if SCHEMES[scheme].grad_input_on_codes
+                  else "dL/dx in float")
+        what = f"on codes ({grad_x}, dL/dW in {grad_w} on the activations' codes)"
     else:
         what = "on the dequantized weight and activations"
     return f"quantized layers' backward {what} (train.quant_backward = {requested!r})"

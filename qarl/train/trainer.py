@@ -176,7 +176,8 @@ class Loop:
                        + describe_compute(resolve_compute_dtype(requested, device), requested,
                                         device)
                        + ("" if backward is None else "; " + describe_quant_backward(
-                           backward, self.config.train.quant_backward, device)))
+                           backward, self.config.train.quant_backward, self.config.quant.scheme,
+                           device)))
         if self.config.train.logp_path == "forward":
             learner = getattr(self.policy.learner, "inner", self.policy.learner)  # ranks
             later = ("read from its own gradient forward, which computes the same bits"

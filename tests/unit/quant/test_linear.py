@@ -211,16 +211,51 @@ def _codes_reference(layer: QuantLinear, x: torch.Tensor, g: torch.Tensor):
     integer products: g' = g s_w quantized per row, times the weight codes; g s_x times the
     activation codes, in the dtype `Int8Scheme.grad_weight_codes` picks."""
     from qarl.quant import numerics as nm
-    from qarl.quant.schemes import _bf16_fast
+    from qarl.quant.scheme_base import bf16_fast
 
     qw = layer.qweight()
     gq, gs = nm.int8_rows(g * qw.scales)
     acc = (gq.long() @ qw.codes.long()).to(torch.int32)  # exact
     grad_x = acc.float() * gs[:, None]
     xq, xs = nm.int8_rows(x)
-    dtype = torch.bfloat16 if _bf16_fast(x.device) else torch.float32
+    dtype = torch.bfloat16 if bf16_fast(x.device) else torch.float32
     grad_w = ((g * xs[:, None]).to(dtype).t() @ xq.to(dtype)).float()
     return grad_x, grad_w
+
+
+@pytest.mark.parametrize("name", ["w4a16-int4", "w4a16-nvfp4"])
+@pytest.mark.parametrize("mode", ["fake", "kernel"])
+def test_backward_on_codes_of_bf16_activations(name, mode):
+    """A W4A16 layer's backward on codes keeps x_hat = bf16(x) in bf16 (not x in fp32) and
+    multiplies dL/dW on it, in bf16 where the CPU has bf16 arithmetic (the exact operand:
+    g's rounding only, bound 0.5% of the norm), fp32 else (then the float backward's bits);
+    the forward and dL/dx are the float backward's, bit for bit."""
+    from qarl.quant.scheme_base import bf16_fast
+
+    layers = [_layer(name, mode) for _ in range(2)]
+    layers[1].backward = "codes"
+    x = torch.randn(40, 256)
+    g = torch.randn(40, 96)
+    xs = [x.clone().requires_grad_() for _ in layers]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
+        ys = [layers[0](xs[0])]
+        saved.clear()
+        ys.append(layers[1](xs[1]))
+    assert (torch.bfloat16, (40, 256)) in saved and (torch.float32, (40, 256)) not in saved
+    assert torch.equal(ys[0], ys[1])
+    for y in ys:
+        (y * g).sum().backward()
+    assert torch.equal(xs[1].grad, xs[0].grad)
+    assert torch.equal(layers[1].bias.grad, layers[0].bias.grad)
+    if bf16_fast(x.device):
+        ref = (g.bfloat16().t() @ x.bfloat16()).float()
+        assert torch.equal(layers[1].weight.grad, ref)
+        rel = (ref - layers[0].weight.grad).norm() / layers[0].weight.grad.norm()
+        assert 0 < rel < 0.005
+    else:
+        assert torch.equal(layers[1].weight.grad, layers[0].weight.grad)
 
 
 @pytest.mark.parametrize("gemm", ["auto", "int_mm"])

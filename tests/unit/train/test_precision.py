@@ -99,23 +99,26 @@ def test_learner_linears_run_every_linear_by_onednn_with_the_same_gradients(monk
     ({"amx_int8", "amx_tile"}, "w8a8-int8", "kernel", torch.float32, "codes"),
     ({"avx512_vnni"}, "w8a8-int8", "kernel", torch.bfloat16, "float"),  # a bf16 pass
     ({"avx512_vnni"}, "w8a8-int8", "fake", torch.float32, "float"),
-    ({"avx512_vnni"}, "w4a16-int4", "kernel", torch.float32, "float"),  # no int8 codes
     ({"avx2"}, "w8a8-int8", "kernel", torch.float32, "float"),  # AVX2: int8 at most 2x fp32
+    ({"avx512_bf16"}, "w4a16-int4", "kernel", torch.float32, "codes"),  # bf16 activations
+    ({"avx512_vnni"}, "w4a16-int4", "kernel", torch.float32, "float"),  # no bf16 arithmetic
+    ({"avx512_bf16"}, "w4a8-int", "kernel", torch.float32, "float"),  # no backward on codes
+    ({"avx512_bf16"}, "w8a8-fp8", "kernel", torch.float32, "float"),
 ])
 def test_auto_backward_on_codes_where_the_int8_gemm_is_the_fast_one(
         monkeypatch, flags, scheme, align, compute, want):
     """train.quant_backward = 'auto' multiplies on the codes only for an fp32 gradient pass of
-    a kernel-aligned w8a8-int8 learner on a CPU whose int8 GEMM is torch._int_mm on VNNI /
-    AMX-INT8; the explicit values are taken as they are; the log line says which."""
-    from qarl.quant import schemes
-
-    monkeypatch.setattr(schemes, "has_int8_dot", lambda: bool(flags & {"avx512_vnni", "amx_int8"}))
+    a kernel-aligned learner where those GEMMs are the fast ones: w8a8-int8 on a CPU whose
+    int8 GEMM is torch._int_mm on VNNI / AMX-INT8, W4A16 on a CPU with bf16 arithmetic; the
+    explicit values are taken as they are; the log line says which."""
+    monkeypatch.setattr(isa, "cpu_flags", lambda: flags)
     cpu = torch.device("cpu")
     assert precision.resolve_quant_backward("auto", scheme, align, cpu, compute) == want
     for value in ("float", "codes"):
         assert precision.resolve_quant_backward(value, scheme, align, cpu, compute) == value
-    line = precision.describe_quant_backward(want, "auto")
-    assert ("int8 codes" in line) == (want == "codes") and "'auto'" in line
+    line = precision.describe_quant_backward(want, "auto", scheme)
+    assert ("on codes" in line) == (want == "codes") and "'auto'" in line
+    assert ("int8 GEMM" in line) == (want == "codes" and scheme == "w8a8-int8")
 
 
 def test_quantize_learner_sets_every_quantized_layer_backward():

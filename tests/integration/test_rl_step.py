@@ -162,8 +162,10 @@ def test_the_backward_on_codes_changes_gradients_only(tmp_path):
     replay are untouched); the update differs from the float backward's by g's int8 rounding
     in dL/dx: as for a bf16 pass, Adam's first step agrees in direction on nearly every
     weight that moved, and in norm within a few percent."""
-    mf, movedf = _update_of_one_step(tmp_path / "float", "float32", **{"train.quant_backward": "float"})
-    mc, movedc = _update_of_one_step(tmp_path / "codes", "float32", **{"train.quant_backward": "codes"})
+    mf, movedf = _update_of_one_step(tmp_path / "float", "float32",
+                                     **{"train.quant_backward": "float"})
+    mc, movedc = _update_of_one_step(tmp_path / "codes", "float32",
+                                     **{"train.quant_backward": "codes"})
     for key in mf:
         if key.startswith(("loss/", "reward/", "response/", "mismatch/", "audit/")):
             assert mc[key] == mf[key], key
@@ -178,8 +180,11 @@ def test_the_backward_on_codes_changes_gradients_only(tmp_path):
 
 
 def _update_with_cpu_gemm(tmp_path, monkeypatch, library: str, align: str):
+    # the float backward, whose GEMMs the library runs: the backward on codes rounds g to
+    # int8, which turns the libraries' last-bit differences into whole rounding steps
     monkeypatch.setenv(K.CPU_GEMM_ENV, library)
-    return _update_of_one_step(tmp_path / library / align, "float32", **{"quant.align": align})
+    return _update_of_one_step(tmp_path / library / align, "float32",
+                               **{"quant.align": align, "train.quant_backward": "float"})
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")

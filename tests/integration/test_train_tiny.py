@@ -86,18 +86,32 @@ def _one_update(config, micro_batch_size):
         return before, {n: p.detach().clone() for n, p in policy.learner.model.named_parameters()}
 
 
-def test_micro_batching_does_not_change_the_update(tmp_path):
-    """Micro-batch 4 x accumulation 2 gives the same update as micro-batch 8 x 1 (within 2e-5 =
-    lr / 15; measured 5.1e-6 on this step: the gradients differ only in the order of their
-    float sums, ~1e-7 relative, but Adam divides each coordinate by its own gradient scale,
-    so coordinates whose gradient is near rounding noise move by a visible fraction of lr),
-    and the update changes every parameter that should train."""
+@pytest.mark.parametrize("backward", ["float", "codes"])
+def test_micro_batching_does_not_change_the_update(tmp_path, backward):
+    """Micro-batch 4 x accumulation 2 gives the same update as micro-batch 8 x 1, and the update
+    changes every parameter that should train. With the float backward, within 2e-5 = lr / 15
+    (measured 3e-7: the gradients differ only in the order of their float sums, ~1e-7
+    relative, but Adam divides each coordinate by its own gradient scale, so coordinates whose
+    gradient is near rounding noise move by a visible fraction of lr). With the backward on
+    codes those last-bit differences can flip an int8 rounding of g, which the layers below
+    carry on: another draw of the codes' ~1% rounding noise, not a change of the update's
+    content (measured: 1.7% of the update's norm, 99.99% of the large moves in the same
+    direction, norms equal within 1e-5; bounds 5%, 99%, 1e-3)."""
     config = load_config("tiny", _overrides(tmp_path, **{"rollout.batch_size": 8,
-                                                         "train.micro_batch_size": 8}))
+                                                         "train.micro_batch_size": 8,
+                                                         "train.quant_backward": backward}))
     before, whole = _one_update(config, 8)
     _, split = _one_update(config, 4)
-    for name in whole:
-        assert torch.allclose(whole[name], split[name], atol=2e-5, rtol=0), name
+    if backward == "float":
+        for name in whole:
+            assert torch.allclose(whole[name], split[name], atol=2e-5, rtol=0), name
+    else:
+        a = torch.cat([(whole[n] - before[n]).flatten() for n in whole])
+        b = torch.cat([(split[n] - before[n]).flatten() for n in whole])
+        assert (a - b).norm() <= 0.05 * a.norm()
+        assert abs(a.norm() - b.norm()) <= 1e-3 * a.norm()
+        big = a.abs() > 0.5 * a.abs().max()
+        assert (torch.sign(a) == torch.sign(b))[big].float().mean() >= 0.99
     unchanged = [n for n in whole if torch.equal(whole[n], before[n])]
     assert unchanged == []
 

@@ -19,6 +19,11 @@ quantization, in a quarter of the memory; where qarl.native's kernel quantizes i
 AVX2-only CPU) it keeps x. Either way a layer whose gradient forward runs the kernel never
 reads W_hat there and holds none: its backward makes it, one layer at a time.
 
+With `backward = "codes"` (recipe train.quant_backward) the backward multiplies on codes
+instead: dL/dx on the weight's int8 codes with g quantized per row where the format has it
+(`Scheme.grad_input_codes`: no W_hat at all), dL/dW on the activation codes the forward kept
+(`Scheme.grad_weight_codes`; a W4A16 layer keeps bf16(x), its kernel's input). qarl/quant/README.md.
+
 Weights are quantized once per weight version: the cache key is (data_ptr, _version) of the
 master weight, which every in-place optimizer update, `copy_` or `.to()` changes. Decoding
 never re-quantizes; a training step re-quantizes exactly once, at the next forward.

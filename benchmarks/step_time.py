@@ -20,9 +20,10 @@ out of the means; `contract` is the per-sync digest check's share of `sync`
 (docs/training.md). `--ignore-eos` (as vLLM's throughput benchmark does) makes every response
 run to `--tokens`: the arms then do the same work per step whatever their policies write, so
 their step ratio is not a ratio of response lengths (the responses' text past the end token is
-noise, and so are the rewards). The JSON names the machine (CPU, ISA levels, threads) and the int8 GEMM chosen here, and each
-arm's `quant_backward` (what its quantized layers' backward multiplies: train.quant_backward
-resolved); `ratio` is each arm's mean step against the first arm's.
+noise, and so are the rewards). The JSON names the machine (CPU, ISA levels, threads) and the
+int8 GEMM chosen here, and each arm's `quant_backward` (what its quantized layers' backward
+multiplies: train.quant_backward resolved); `ratio` is each arm's mean step against the
+first arm's.
 """
 
 from __future__ import annotations

@@ -164,8 +164,8 @@ def scale_s32(acc: Tensor, xs: Tensor, ws: Tensor | None = None) -> Tensor:
     xs = xs.float().contiguous()
     ws = None if ws is None else ws.float().contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
-    _lib().qarl_scale_s32(acc.data_ptr(), m, n, xs.data_ptr(), None if ws is None else ws.data_ptr(),
-                          y.data_ptr(), _threads())
+    ws_ptr = None if ws is None else ws.data_ptr()
+    _lib().qarl_scale_s32(acc.data_ptr(), m, n, xs.data_ptr(), ws_ptr, y.data_ptr(), _threads())
     return y
 
 

@@ -52,3 +52,25 @@ def test_cuda_engine_scores_exactly_what_it_sampled(name):
     sampling = SamplingParams(max_new_tokens=8)
     batch = engine.generate([[5, 17, 3], [7, 8, 9, 10]], sampling, seed=0)
     assert torch.equal(engine.score(batch, sampling), batch.rollout_logp)
+
+
+def test_cuda_backward_on_codes_equals_the_cpu_products():
+    """train.quant_backward = 'codes' on CUDA: dL/dx by torch._int_mm (cuBLASLt) on g's int8
+    rows and the weight codes equals the CPU's bits (both exact int32 sums, the same
+    quantizer and the same one scaling); dL/dW, a bf16 GEMM of g s_x with the int8 activation
+    codes, within bf16 rounding of g (2^-9 relative per element; bound 1e-2 of the CPU's
+    largest entry, summation orders differ)."""
+    from qarl.quant import numerics as nm
+
+    scheme = SCHEMES["w8a8-int8"]
+    gen = torch.Generator().manual_seed(2)
+    w, x = torch.randn(96, 256, generator=gen), torch.randn(40, 256, generator=gen)
+    g = torch.randn(40, 96, generator=gen)
+    qw = scheme.quantize(w)
+    cpu_x = scheme.grad_input_codes(g, qw)
+    gpu_x = scheme.grad_input_codes(g.cuda(), qw.to("cuda")).cpu()
+    assert torch.equal(gpu_x, cpu_x)
+    codes = nm.int8_rows(x)
+    cpu_w = scheme.grad_weight_codes(g, codes)
+    gpu_w = scheme.grad_weight_codes(g.cuda(), tuple(c.cuda() for c in codes)).cpu()
+    assert (gpu_w - cpu_w).abs().max() <= 1e-2 * cpu_w.abs().max()

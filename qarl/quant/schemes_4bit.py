@@ -9,11 +9,12 @@ import torch
 from torch import Tensor
 
 from qarl import native as nat
+from qarl.native.isa import has_bf16_math
 from qarl.quant import kernels as K
 from qarl.quant import numerics as nm
 from qarl.quant.qweight import QWeight
-from qarl.native.isa import has_bf16_math
 from qarl.quant.scheme_base import Scheme, codes_gemm
+
 
 class Bf16ActivationBackward:
     """The backward on codes of a format whose kernel takes its activations rounded to bf16

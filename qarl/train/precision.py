@@ -27,6 +27,8 @@ from torch.overrides import TorchFunctionMode
 from qarl.native.isa import has_amx_bf16, has_bf16_math
 from qarl.quant import SCHEMES, QuantLinear
 from qarl.quant import kernels as K
+from qarl.quant.linear import BACKWARDS
+from qarl.quant.scheme_base import bf16_fast
 
 
 def resolve_compute_dtype(requested: str, device: torch.device) -> torch.dtype:
@@ -58,7 +60,10 @@ def resolve_quant_backward(requested: str, scheme: str, align: str, device: torc
 
 
 def set_quant_backward(model: nn.Module, backward: str) -> int:
-    """Every QuantLinear of `model` multiplies its backward as `backward` says; -> how many."""
+    """Every QuantLinear of `model` multiplies its backward as `backward` (of
+    qarl.quant.linear.BACKWARDS) says; -> how many."""
+    if backward not in BACKWARDS:
+        raise ValueError(f"unknown QuantLinear backward {backward!r}; valid: {list(BACKWARDS)}")
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     for layer in layers:
         layer.backward = backward
@@ -69,7 +74,7 @@ def describe_quant_backward(backward: str, requested: str, scheme: str,
                             device: torch.device = torch.device("cpu")) -> str:
     """The run's start line's part on the quantized layers' backward."""
     if backward == "codes":
-        grad_w = "bf16" if device.type == "cuda" or has_bf16_math() else "fp32"
+        grad_w = "bf16" if bf16_fast(device) else "fp32"
         grad_x = ("dL/dx by an int8 GEMM" if SCHEMES[scheme].grad_input_on_codes
                   else "dL/dx in float")
         what = f"on codes ({grad_x}, dL/dW in {grad_w} on the activations' codes)"

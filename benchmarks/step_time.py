@@ -56,6 +56,7 @@ def measure(recipe: str, arms: list[tuple[str, dict]], steps: int, tokens: int |
     from contextlib import ExitStack
 
     from qarl.quant import SCHEMES
+    from qarl.train.precision import quant_backward_of
     from qarl.train.setup import open_run
     from qarl.train.sft import warm_start
     from qarl.train.trainer import rl_step
@@ -86,7 +87,8 @@ def measure(recipe: str, arms: list[tuple[str, dict]], steps: int, tokens: int |
                                        "tokens": metrics["response/length_mean"]})
         kernel = SCHEMES["w8a8-int8"].kernel_path(
             runs[0][2].learner.model.model.embed_tokens.weight.device, None)
-        backward = {name: _backward(policy.learner.model) for name, _, policy, _ in runs}
+        backward = {name: quant_backward_of(policy.learner.model) or "none"
+                    for name, _, policy, _ in runs}
     means = {name: {k: round(sum(r[k] for r in rs) / len(rs), 3) for k in rs[0]}
              for name, rs in rows.items()}
     first = means[arms[0][0]]["step"]
@@ -95,14 +97,6 @@ def measure(recipe: str, arms: list[tuple[str, dict]], steps: int, tokens: int |
     for name, m in means.items():
         m["quant_backward"] = backward[name]
     return {"arms": means, "int8_gemm": kernel}
-
-
-def _backward(model) -> str:
-    """What the learner's quantized layers' backward multiplies (QuantLinear.backward), or
-    "none" for a learner without quantized layers."""
-    from qarl.quant import QuantLinear
-
-    return next((m.backward for m in model.modules() if isinstance(m, QuantLinear)), "none")
 
 
 def ignore_eos(name: str, policy) -> None:

@@ -70,6 +70,12 @@ def set_quant_backward(model: nn.Module, backward: str) -> int:
     return len(layers)
 
 
+def quant_backward_of(model: nn.Module) -> str | None:
+    """What `model`'s quantized layers' backward multiplies (QuantLinear.backward, one value
+    for the whole learner: `set_quant_backward`), or None where it has no quantized layer."""
+    return next((m.backward for m in model.modules() if isinstance(m, QuantLinear)), None)
+
+
 def describe_quant_backward(backward: str, requested: str, scheme: str,
                             device: torch.device = torch.device("cpu")) -> str:
     """The run's start line's part on the quantized layers' backward."""

@@ -21,7 +21,6 @@ from typing import Any, Mapping, Sequence
 
 from qarl.config import RunConfig, load_config, to_toml
 from qarl.native.memory import tune_allocator
-from qarl.quant import QuantLinear
 from qarl.quant.contract import ContractBroken
 from qarl.train import checkpoint
 from qarl.train.contract import OverBudget
@@ -40,7 +39,7 @@ from qarl.train.phases import (
     sample_metrics, train_examples,
 )
 from qarl.train.precision import (
-    describe_compute, describe_quant_backward, resolve_compute_dtype,
+    describe_compute, describe_quant_backward, quant_backward_of, resolve_compute_dtype,
 )
 from qarl.train.resume import ResumePoint, resume_point
 from qarl.train.setup import Data, Policy, open_run, sampling_params
@@ -170,8 +169,7 @@ class Loop:
         requested = self.config.train.compute_dtype
         device = self.policy.device
         model = getattr(getattr(self.policy.learner, "inner", self.policy.learner), "model", None)
-        backward = None if model is None else next(
-            (m.backward for m in model.modules() if isinstance(m, QuantLinear)), None)
+        backward = None if model is None else quant_backward_of(model)
         self.log.write(f"learner on {device}, gradient pass: "
                        + describe_compute(resolve_compute_dtype(requested, device), requested,
                                         device)

@@ -9,7 +9,8 @@ packed once (`pack_f32`, `pack_s8`, `pack_u4`) and the packed object is reused f
   (= `numerics.int8_rows` bit for bit), exact int32 sums, then (acc * s_x) * s_w: the same
   bits as `torch._int_mm` followed by the same two scale products;
 - `linear_u4(x, w)`: int4 group weights dequantized to exactly `numerics.int4_dequantize`'s
-  values, then the fp32 chain: equal to `linear_f32(x, pack_f32(dequantized))` bit for bit.
+  values, then the fp32 chain: equal to `linear_f32(x, pack_f32(dequantized))` bit for bit;
+- `round_bf16(x)`: x.bfloat16().float() in one pass (the rounding of W4A16's rows).
 
 Around them, the per-token operations of a decode step: `decode_attention` (q/k norm, RoPE,
 cache write and attention of one new token), `rms_norm`, `silu_mul`, `sample_rows`, and
@@ -31,14 +32,14 @@ from qarl.native.decode import (
 from qarl.native.ffi import available
 from qarl.native.gemm import (
     PackedF32, PackedS8, PackedU4, linear_f32, linear_s8_dynamic, linear_u4, pack_f32, pack_s8,
-    F32_ISAS, S8_ISAS, f32_isa, pack_u4, quantize_s8_rows, quantize_u4, s8_isa, scale_s32,
-    use_f32_isa, use_s8_isa,
+    F32_ISAS, S8_ISAS, f32_isa, pack_u4, quantize_s8_rows, quantize_u4, round_bf16, s8_isa,
+    scale_s32, use_f32_isa, use_s8_isa,
 )
 
 __all__ = [
     "available", "why_unavailable", "PackedF32", "PackedS8", "PackedU4",
     "pack_f32", "pack_s8", "pack_u4", "linear_f32", "linear_s8_dynamic", "linear_u4",
-    "quantize_s8_rows", "quantize_u4", "scale_s32", "S8_ISAS", "s8_isa", "use_s8_isa",
+    "quantize_s8_rows", "quantize_u4", "round_bf16", "scale_s32", "S8_ISAS", "s8_isa", "use_s8_isa",
     "F32_ISAS", "f32_isa", "use_f32_isa",
     "decode_attention", "rms_norm", "silu_mul", "BlockGemm", "DecodeBlock", "GemmKind",
     "sample_rows", "machine",

@@ -92,6 +92,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "qarl_pack_u4": [p, i64, i64, i64, p, i32],
         "qarl_quantize_u4": [p, i64, i64, i64, i64, i32, p, p, p, p, i32],
         "qarl_linear_u4": [p, i64, i64, i64, p, p, p, i64, i64, i32, p, i64, i32],
+        "qarl_round_bf16_row": [p, i64, p],
         "qarl_decode_attention": [p, i64, i64, i64, i64, p, p, f32, p, p, i64, p, p, i64, i64,
                                   i64, i64, p, i64, f32, p, p, i32],
         "qarl_rms_norm": [p, i64, i64, i64, p, f32, p, i64, i32],

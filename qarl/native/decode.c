@@ -99,8 +99,7 @@ static void block_gemm(const qarl_gemm* g, const float* x, int64_t M, float* y, 
             return;
         case GEMM_U4_BF16:
 #pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; m++)
-                for (int64_t k = 0; k < K; k++) t->rows[m * K + k] = qarl_round_bf16(x[m * K + k]);
+            for (int64_t m = 0; m < M; m++) qarl_round_bf16_row(x + m * K, K, t->rows + m * K);
             qarl_u4_panels(t->rows, M, K, K, (const uint8_t*)g->w, g->s, g->z, g->group, g->n, 0,
                            g->bias, res, ldy, y, ldy, buf);
             return;

@@ -212,6 +212,18 @@ def quantize_u4(w: Tensor, group_size: int, symmetric: bool, dequantized: bool =
     return codes, scales, zeros, deq
 
 
+def round_bf16(x: Tensor) -> Tensor:
+    """x.bfloat16().float() of a float32 CPU tensor in one pass (the rounding W4A16's kernel
+    applies to its rows): the same bits for every non-NaN value; a NaN stays a NaN (its sign
+    and payload kept, where torch writes one canonical NaN)."""
+    if not x.is_cpu or x.dtype != torch.float32:
+        raise ValueError(f"round_bf16 expects a float32 CPU tensor, got {x.dtype} on {x.device.type}")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _lib().qarl_round_bf16_row(x.data_ptr(), x.numel(), out.data_ptr())
+    return out
+
+
 def linear_u4(x: Tensor, w: PackedU4, round_bf16: bool = False) -> Tensor:
     """x [M, K] float32 -> x dequant(W)^T: [M, N] float32. round_bf16: x rounded to bf16 first
     (to nearest even, the same bits as x.bfloat16().float()), the A16 of W4A16."""

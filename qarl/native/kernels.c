@@ -439,6 +439,23 @@ float qarl_round_bf16(float v) {
     return v;
 }
 
+// qarl_round_bf16 of 8 lanes: the same integer steps, the NaN lanes blended in.
+INLINE __m256 round_bf16_ps(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                     _mm256_set1_epi32(0x7f800000));
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x00400000)), nan);
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+void qarl_round_bf16_row(const float* x, int64_t n, float* out) {
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) _mm256_storeu_ps(out + k, round_bf16_ps(_mm256_loadu_ps(x + k)));
+    for (; k < n; k++) out[k] = qarl_round_bf16(x[k]);
+}
+
 // The panels of x . dequant(W)^T (* xs[m]) (+ bias) (+ res) shared among the threads of the
 // enclosing parallel region (see kernels.h); buf: this thread's K x NR floats, used for M > 2.
 void qarl_u4_panels(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* wp,
@@ -471,20 +488,21 @@ void qarl_u4_panels(const float* x, int64_t M, int64_t K, int64_t ldx, const uin
 void qarl_linear_u4(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* wp,
                     const float* s, const float* z, int64_t group, int64_t N, int bf16, float* y,
                     int64_t ldy, int nthreads) {
-    float* xr = 0;
-    if (bf16) {
-        xr = (float*)malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1));
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t k = 0; k < K; k++) xr[m * K + k] = qarl_round_bf16(x[m * ldx + k]);
-        x = xr;
-        ldx = K;
-    }
+    float* xr = bf16 ? (float*)malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1)) : 0;
 #pragma omp parallel num_threads(nthreads)
     {
+        const float* xin = x;
+        int64_t ldin = ldx;
+        if (bf16) {
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) qarl_round_bf16_row(x + m * ldx, K, xr + m * K);
+            xin = xr;
+            ldin = K;
+        }
         // the dequantized-panel buffer only for M > 2 (1-2 rows work from registers; a buffer
         // of K x 24 floats per call would cost an mmap for large K)
         float* buf = M > 2 ? (float*)aligned_alloc(64, (size_t)((K * NR * 4 + 63) / 64 * 64)) : 0;
-        qarl_u4_panels(x, M, K, ldx, wp, s, z, group, N, 0, 0, 0, 0, y, ldy, buf);
+        qarl_u4_panels(xin, M, K, ldin, wp, s, z, group, N, 0, 0, 0, 0, y, ldy, buf);
         free(buf);
     }
     free(xr);

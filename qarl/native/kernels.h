@@ -27,8 +27,9 @@ void qarl_u4_panels(const float* x, int64_t M, int64_t K, int64_t ldx, const uin
 // numerics.int8_rows of one row, bit for bit
 void qarl_quantize_row_s8(const float* x, int64_t K, int8_t* q, float* scale);
 
-// x.bfloat16().float() of one value, bit for bit
+// x.bfloat16().float() of one value, bit for bit; of a row of n values into out
 float qarl_round_bf16(float v);
+void qarl_round_bf16_row(const float* x, int64_t n, float* out);
 
 // attention.c: one decode step's q/k norm, RoPE, cache write and attention (qarl_decode_attention
 // without its parallel region); p: the calling thread's max(S rounded up to 8, D) floats

@@ -284,6 +284,25 @@ def test_u4_bf16_rounding_equals_torch():
     assert torch.equal(rounded.nan_to_num(), reference.nan_to_num())
 
 
+def test_round_bf16_equals_torch_on_every_kind_of_value():
+    """The vectorized rounding (8 lanes, then a scalar tail) gives x.bfloat16().float()'s bits
+    for every non-NaN float (ties to even both ways, subnormals, values that round up to inf)
+    and a NaN for every NaN, whatever lane the value falls in."""
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2 ** 31, 2 ** 31, (100_003,), generator=gen, dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32)
+    special = [1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -(1.0 + 2 ** -8), 1e-40, -1e-40, 0.0, -0.0,
+               float("inf"), -float("inf"), 3.3e38, -3.4e38, float("nan"), 2 ** -133]
+    for offset in (0, 5, 100_003 - len(special)):  # vector lanes, and the scalar tail
+        x[offset:offset + len(special)] = torch.tensor(special)
+        rounded, reference = nat.round_bf16(x), x.bfloat16().float()
+        nan = reference.isnan()
+        assert torch.equal(rounded.isnan(), nan)
+        assert torch.equal(rounded[~nan].view(torch.int32), reference[~nan].view(torch.int32))
+    with pytest.raises(ValueError, match="float32 CPU"):
+        nat.round_bf16(x.double())
+
+
 def _attention_reference(qkv, H, Hkv, cos, sin, cache_k, cache_v, slot, mask, q_w, k_w, eps):
     # Attention.forward's math at T = 1 in PyTorch ops: norms, RoPE, cache write, SDPA
     import torch.nn.functional as F

@@ -2,10 +2,10 @@
 as one JSON object: each arm's policy is built once, then the arms take their steps in turn
 (arm A step 1, arm B step 1, arm A step 2, ...), so a machine whose speed drifts (a shared
 VM: 10-25% between runs) moves every arm alike and the ratios are read in one window. The
-arms also share the process's heap, so one arm can pay for blocks the other left in other
-sizes: recipes/compare.toml's W4A16 arm measured 0.87x full precision's step interleaved and
-0.99x with one arm per process (`--arm` given once; docs/benchmarks.md, 4f3a739). Where the
-two readings disagree, report both.
+arms also share the process's heap, and the first arm pays for blocks the others leave in
+other sizes: recipes/compare.toml's W4A16 arm measured 0.96x full precision's step with it
+first, 1.17x with it second, and 1.05-1.07x with one arm per process (`--arm` given once;
+docs/benchmarks.md, e6573bc). Run both orders, or one arm per process, and report each.
 
     .venv/bin/python benchmarks/step_time.py --steps 4                      # W8A8 vs none
     .venv/bin/python benchmarks/step_time.py --steps 4 --tokens 64          # longer responses

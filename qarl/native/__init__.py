@@ -39,8 +39,8 @@ from qarl.native.gemm import (
 __all__ = [
     "available", "why_unavailable", "PackedF32", "PackedS8", "PackedU4",
     "pack_f32", "pack_s8", "pack_u4", "linear_f32", "linear_s8_dynamic", "linear_u4",
-    "quantize_s8_rows", "quantize_u4", "round_bf16", "scale_s32", "S8_ISAS", "s8_isa", "use_s8_isa",
-    "F32_ISAS", "f32_isa", "use_f32_isa",
+    "quantize_s8_rows", "quantize_u4", "round_bf16", "scale_s32", "S8_ISAS", "s8_isa",
+    "use_s8_isa", "F32_ISAS", "f32_isa", "use_f32_isa",
     "decode_attention", "rms_norm", "silu_mul", "BlockGemm", "DecodeBlock", "GemmKind",
     "sample_rows", "machine",
 ]

@@ -217,7 +217,8 @@ def round_bf16(x: Tensor) -> Tensor:
     applies to its rows): the same bits for every non-NaN value; a NaN stays a NaN (its sign
     and payload kept, where torch writes one canonical NaN)."""
     if not x.is_cpu or x.dtype != torch.float32:
-        raise ValueError(f"round_bf16 expects a float32 CPU tensor, got {x.dtype} on {x.device.type}")
+        raise ValueError(
+            f"round_bf16 expects a float32 CPU tensor, got {x.dtype} on {x.device.type}")
     x = x.contiguous()
     out = torch.empty_like(x)
     _lib().qarl_round_bf16_row(x.data_ptr(), x.numel(), out.data_ptr())

@@ -267,8 +267,9 @@ class QuantLinear(nn.Module):
             if codes is not None:  # the kernel runs on the codes
                 fn = lambda t: run_rows(lambda _: self.scheme.matmul_codes(codes, qw), t,  # noqa: E731
                                         self.bias, self.out_features)
-            elif kept is not None and not on_kernel:  # the fake forward, on the kept codes:
-                # act_from_codes(kept) == act_qdq(x) bit for bit, one quantization of x, not two
+            elif kept is not None and not on_kernel:
+                # the fake forward on the kept codes: act_from_codes(kept) == act_qdq(x) bit
+                # for bit, one quantization of x, not two
                 fn = lambda t: self._fake(t, self.scheme.act_from_codes(kept))  # noqa: E731
             # the backward on codes: dL/dx on the weight's codes where the format has it,
             # dL/dW on the kept activation codes
@@ -287,7 +288,8 @@ class QuantLinear(nn.Module):
                                  (grad_x_fn, grad_w_fn))
         return y.reshape(*lead, self.out_features)
 
-    def _fake(self, x: Tensor, x_hat: Tensor | None = None) -> Tensor:  # [M, K] -> [M, N], x's dtype
+    def _fake(self, x: Tensor, x_hat: Tensor | None = None) -> Tensor:  # [M, K] -> [M, N]
+        # in x's dtype; x_hat: act_qdq(x) where the caller has it
         x_hat = self.scheme.act_qdq(x) if x_hat is None else x_hat
         y = F.linear(x_hat, self.dequantized())
         if self.bias is not None:

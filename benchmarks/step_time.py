@@ -4,14 +4,18 @@ as one JSON object: each arm's policy is built once, then the arms take their st
 VM: 10-25% between runs) moves every arm alike and the ratios are read in one window. The
 arms also share the process's heap, and the first arm pays for blocks the others leave in
 other sizes: recipes/compare.toml's W4A16 arm measured 0.96x full precision's step with it
-first, 1.17x with it second, and 1.05-1.07x with one arm per process (`--arm` given once;
-docs/benchmarks.md, e6573bc). Run both orders, or one arm per process, and report each.
+first, 1.17x with it second, and 1.05-1.08x with one arm per process (docs/benchmarks.md,
+e6573bc). `--rounds R` runs each arm in a process of its own instead, R rounds of one process
+per arm, the order of the arms reversed every other round: the JSON has each round's figures
+and ratios, and the means over the rounds.
 
     .venv/bin/python benchmarks/step_time.py --steps 4                      # W8A8 vs none
     .venv/bin/python benchmarks/step_time.py --steps 4 --tokens 64          # longer responses
     .venv/bin/python benchmarks/step_time.py --steps 4 --tokens 64 --ignore-eos  # all 64 long
     .venv/bin/python benchmarks/step_time.py --arm w8a8: --arm none:quant.scheme=none \\
         --arm int4:quant.scheme=w4a16-int4
+    .venv/bin/python benchmarks/step_time.py --recipe compare --steps 7 --ignore-eos \\
+        --rounds 2 --arm qarl-grpo:quant.align=kernel --arm fp-grpo:quant.scheme=none
 
 An arm is NAME:KEY=VALUE,KEY=VALUE (overrides of the recipe, `--recipe`, default `default`).
 A recipe with SFT steps starts from its warm start, as `qarl train` does (trained first where
@@ -32,6 +36,8 @@ import argparse
 import json
 import os
 import resource
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -108,17 +114,62 @@ def ignore_eos(name: str, policy) -> None:
         replayer.eos_token_ids = ()
 
 
+def in_processes(args: argparse.Namespace, arms: list[str]) -> dict:
+    """`--rounds R`: every arm in a process of its own (this script with that one `--arm`),
+    R rounds, the arms' order reversed every other round; each round's figures, each round's
+    step ratios against the first arm, and the means over the rounds (`ratio`: the mean of
+    the rounds' ratios)."""
+    options = ["--recipe", args.recipe, "--steps", str(args.steps)]
+    options += ["--tokens", str(args.tokens)] if args.tokens is not None else []
+    options += ["--ignore-eos"] if args.ignore_eos else []
+    rounds = []
+    for r in range(args.rounds):
+        row = {}
+        for text in (arms if r % 2 == 0 else arms[::-1]):
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), *options,
+                                   "--arm", text], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"arm {text!r} failed (exit {done.returncode}):\n"
+                                 f"{done.stderr[-4000:]}")
+            one = json.loads(done.stdout)
+            (name, figures), = one["arms"].items()
+            row[name] = {**figures, "peak_rss_gb": one["peak_rss_gb"],
+                         "loadavg_before": one["loadavg_before"]}
+        rounds.append(row)
+    names = [_arm(text)[0] for text in arms]
+    for row in rounds:
+        for name in names:
+            row[name]["ratio"] = round(row[names[0]]["step"] / row[name]["step"], 3)
+    keys = [k for k, v in rounds[0][names[0]].items() if isinstance(v, float)]
+    means = {name: {k: round(sum(row[name][k] for row in rounds) / len(rounds), 3) for k in keys}
+             for name in names}
+    for name in names:
+        means[name]["quant_backward"] = rounds[0][name]["quant_backward"]
+    return {"arms": means, "rounds": rounds,
+            "unit": "seconds per step (mean of steps 2..N), one process per arm and round"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="default")
-    parser.add_argument("--arm", action="append", type=_arm, default=None,
+    parser.add_argument("--arm", action="append", default=None,
                         help="NAME:KEY=VALUE,... (default: w8a8 and none)")
     parser.add_argument("--steps", type=int, default=4, help="steps per arm, the first a warm-up")
     parser.add_argument("--tokens", type=int, default=None, help="rollout.max_new_tokens")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="every response runs to rollout.max_new_tokens (equal work per step)")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="R > 0: each arm in a process of its own, R rounds, the order "
+                             "reversed every other round")
     args = parser.parse_args()
-    arms = args.arm or [_arm("w8a8:"), _arm("none:quant.scheme=none")]
+    texts = args.arm or ["w8a8:", "none:quant.scheme=none"]
+    if args.rounds > 0:
+        result = in_processes(args, texts)
+        result.update(recipe=args.recipe, steps=args.steps, tokens=args.tokens,
+                      ignore_eos=args.ignore_eos, machine=machine())
+        print(json.dumps(result, indent=1))
+        return
+    arms = [_arm(text) for text in texts]
     tune_allocator()  # as qarl train does (QARL_MALLOC=default measures glibc's own)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as out:

@@ -28,10 +28,13 @@ from rank_weights import assert_weights_agree
 
 
 def _config(tmp_path, **extra):
+    """tiny with forward logp; the fp32 gradient pass these tests reason about, pinned ('auto'
+    is bf16 on CPUs with AMX-BF16); the tests that need a bf16 pass set it themselves."""
     return load_config("tiny", {"run.output_dir": str(tmp_path), "log.progress": False,
                                 "rollout.batch_size": 8, "rollout.group_size": 4,
                                 "train.micro_batch_size": 4, "quant.align": "fake",
-                                "train.logp_path": "forward", **extra})
+                                "train.logp_path": "forward", "train.compute_dtype": "float32",
+                                **extra})
 
 
 def _batch(policy, data, config):
@@ -50,8 +53,11 @@ def test_forward_values_are_the_gradient_pass_values(tmp_path, align, scheme):
     """The learner's replay is a ForwardScorer: its values are those the fp32 gradient pass
     computes on each micro-batch (so at the first optimizer step logp's value and the function
     its gradient comes from agree to the bit, and a later step may read its own forward's:
-    `ForwardScorer.is_gradient_pass`), for every format, the same on every call, and not the
-    decode path's: the two passes round differently, by a small amount against the sampler's."""
+    `ForwardScorer.is_gradient_pass`), for every format, the same on every call, and within
+    fp32 summation order of the decode path's (measured <= 1e-6 nats; where the GEMM library
+    sums in the decode path's order, MKL on tiny's shapes, the W4A16 formats, with no
+    activation quantizer to turn a last-bit difference into a rounding step, agree to the
+    bit)."""
     config = _config(tmp_path, **{"quant.align": align, "quant.scheme": scheme})
     with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
         assert isinstance(policy.learner.replayer, ForwardScorer)
@@ -66,7 +72,7 @@ def test_forward_values_are_the_gradient_pass_values(tmp_path, align, scheme):
     mask = batch.response_mask
     assert routing is None and values.shape == mask.shape and not values.requires_grad
     assert torch.equal(values, again) and torch.equal(values, fast.detach())
-    assert not torch.equal(values[mask], decode[mask])
+    assert (values[mask] - decode[mask]).abs().max() <= 1e-5  # summation order: <= 1e-6 measured
     # Other shapes, other fp32 rounding: ~1e-6 here (5e-7 naive, 2e-6 fake on a Zen 4). A
     # fake learner's int8 activation quantizers can turn such a difference into a whole
     # rounding step on some row (smollm2: ~0.1 nats mean, docs/alignment.md), hence its bound.

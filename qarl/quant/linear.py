@@ -6,7 +6,11 @@
             With grad (a learner's gradient pass, whose logp value is never used: the exact
             replay gives it), a format whose kernel is an emulation or decode-shaped runs the
             `fake` forward instead, the same function up to rounding on a BLAS GEMM
-            (`Scheme.kernel_for_gradients`; int8 keeps its int8 GEMM).
+            (`Scheme.kernel_for_gradients`; int8 keeps its int8 GEMM in an fp32 pass).
+            In a bf16 pass (train.compute_dtype) every format's gradient forward is the bf16
+            GEMM of x_hat and W_hat in bf16, W_hat dequantized once per weight version and
+            x_hat made once per fused group (q/k/v, gate/up): a full-precision learner's
+            bf16 pass, plus the quantizers.
 
 Backward (both modes) is the straight-through estimator: quantizers count as identity,
 so with x_hat = act_qdq(x) and W_hat = dequantize(quantize(W)):
@@ -35,6 +39,8 @@ are 0.4 GB of a run's peak memory.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -59,6 +65,15 @@ def check_mode(mode: str) -> str:
     return mode
 
 
+def _compute_dtype(device: torch.device) -> torch.dtype:
+    """The dtype a gradient pass on `device` multiplies in: autocast's where it is on
+    (qarl.train.precision), else float32."""
+    kind = device.type  # autocast exists for cpu / cuda / ..., not for meta
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return torch.float32
+
+
 class _STELinear(torch.autograd.Function):
     """Forward given by `fn(x2d)`; backward is the straight-through estimator onto W. Under
     autocast (qarl.train.precision: the gradient pass in bf16) the backward's two GEMMs run in
@@ -80,8 +95,7 @@ class _STELinear(torch.autograd.Function):
         ctx.save_for_backward(*((w_hat,) if ctx.held else ()), *act)
         ctx.x_hat_fn, ctx.has_bias, ctx.dtypes = x_hat_fn, bias is not None, (x.dtype, weight.dtype)
         ctx.compute = compute
-        # under autocast x may arrive in bf16 from the op before; the scheme's kernel takes fp32
-        return fn(x if ctx.compute == torch.float32 else x.float())
+        return fn(x)
 
     @staticmethod
     def backward(ctx, grad):  # grad: [M, N]
@@ -131,6 +145,8 @@ class QuantLinear(nn.Module):
         # The other layers of this one's fused group (q/k/v, gate/up; set by quantize_model):
         # a plain tuple, not submodules, so state_dict and named_modules do not see them twice.
         self.fused_peers: tuple[QuantLinear, ...] = ()
+        # (x, x._version, x_hat) of the last 16-bit gradient forward, weakly (_fake_lowp)
+        self._x_hat: tuple[weakref.ref, int, weakref.ref] | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scheme: str | Scheme, mode: str = "kernel") -> "QuantLinear":
@@ -241,18 +257,19 @@ class QuantLinear(nn.Module):
         )
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
+        compute = _compute_dtype(x.device) if needs_grad else torch.float32
         # with grad, only a format whose kernel is the fast GEMM runs it (Scheme docstring)
-        if self.mode == "kernel" and (not needs_grad or self.scheme.kernel_for_gradients(x.device)):
+        on_kernel = self.mode == "kernel" and (
+            not needs_grad or self.scheme.kernel_for_gradients(x.device, compute))
+        if on_kernel:
             fn = lambda t: self.scheme.linear(t, qw, self.bias)  # noqa: E731
         else:
             fn = lambda t: self._fake(t)  # noqa: E731
         if not needs_grad:
             y = fn(x2)
+        elif compute != torch.float32 and not on_kernel and self.backward == "float":
+            y = self._fake_lowp(x, x2, compute)
         else:
-            device = x.device.type  # autocast exists for cpu / cuda / ..., not for meta
-            compute = (torch.get_autocast_dtype(device) if torch.amp.is_autocast_available(device)
-                       and torch.is_autocast_enabled(device) else torch.float32)
-            on_kernel = self.mode == "kernel" and self.scheme.kernel_for_gradients(x.device)
             codes = self.scheme.act_codes(x2.detach().float()) if on_kernel else None
             on_codes = self.backward == "codes"
             # what the backward keeps of x: the codes the kernel ran on, else (backward on
@@ -284,17 +301,56 @@ class QuantLinear(nn.Module):
             w_hat = (None if grad_x_fn is not None
                      else (lambda: self._dequantize(qw, compute)) if on_kernel
                      else self.dequantized(compute))
-            y = _STELinear.apply(x2, self.weight, self.bias, fn, x_hat_fn, w_hat, act, compute,
+            # under autocast x may arrive in bf16 from the op before; the scheme's kernel and
+            # quantizers take fp32
+            run = fn if compute == torch.float32 else (lambda t, f=fn: f(t.float()))
+            y = _STELinear.apply(x2, self.weight, self.bias, run, x_hat_fn, w_hat, act, compute,
                                  (grad_x_fn, grad_w_fn))
         return y.reshape(*lead, self.out_features)
+
+    def _fake_lowp(self, x: Tensor, x2: Tensor, compute: torch.dtype) -> Tensor:
+        """The fake forward with grad in a 16-bit gradient pass (autocast to `compute`), as a
+        full-precision learner's F.linear runs there: x_hat = act_qdq(x) in `compute`, kept
+        for the backward, times the weight dequantized in `compute` once per weight version
+        (not cast again per micro-batch), the result in `compute`; the backward's products
+        take the same two operands. x [..., K], x2 its [M, K] view -> [M, N]. The layers of
+        a fused group (q/k/v, gate/up) take the same x and quantize it alike (equal schemes:
+        `link_fused_peers`), so the first computes x_hat and the others take it: one
+        quantization and one kept copy per group."""
+        x_hat = self._peers_x_hat(x, compute)
+        if x_hat is None:
+            x_hat = self.scheme.act_qdq(x2.detach().float()).to(compute)
+        # weak references: the graph that saves x_hat keeps it alive, not this layer
+        self._x_hat = (weakref.ref(x), x._version, weakref.ref(x_hat))
+        w_hat = self.dequantized(compute)
+        fn = lambda _: self._bias(F.linear(x_hat, w_hat))  # noqa: E731
+        return _STELinear.apply(x2, self.weight, self.bias, fn, lambda t: t, w_hat, (x_hat,),
+                                compute, (None, None))
+
+    def __getstate__(self) -> dict:
+        # copies and pickles (deepcopy, Ray) take no weak references
+        return {**self.__dict__, "_x_hat": None}
+
+    def _peers_x_hat(self, x: Tensor, compute: torch.dtype) -> Tensor | None:
+        """The x_hat a fused peer made of this very x (same tensor, unchanged since) in
+        `compute`, where it is still alive; else None."""
+        for peer in self.fused_peers:
+            if peer._x_hat is None:
+                continue
+            ref, version, hat = peer._x_hat
+            x_hat = hat()
+            if ref() is x and version == x._version and x_hat is not None \
+                    and x_hat.dtype == compute:
+                return x_hat
+        return None
+
+    def _bias(self, y: Tensor) -> Tensor:
+        return y if self.bias is None else y + self.bias.float()
 
     def _fake(self, x: Tensor, x_hat: Tensor | None = None) -> Tensor:  # [M, K] -> [M, N]
         # in x's dtype; x_hat: act_qdq(x) where the caller has it
         x_hat = self.scheme.act_qdq(x) if x_hat is None else x_hat
-        y = F.linear(x_hat, self.dequantized())
-        if self.bias is not None:
-            y = y + self.bias.float()
-        return y.to(x.dtype)
+        return self._bias(F.linear(x_hat, self.dequantized())).to(x.dtype)
 
     def kernel_path(self) -> str:
         if self.mode == "fake":

@@ -177,13 +177,15 @@ class Scheme:
         by the forward (`act_codes` or `backward_codes`)."""
         raise NotImplementedError(f"{type(self).__name__} has no backward on codes")
 
-    def kernel_for_gradients(self, device: torch.device) -> bool:
-        """Whether a learner's gradient pass (kernel alignment, with grad) runs this kernel,
-        or F.linear on act_qdq(x) and the dequantized weight: the same function up to
-        rounding, one dequantization per weight version (the backward needs it anyway) and a
-        plain BLAS GEMM, where the kernel is an emulation or a decode-shaped one. The value
-        of logp never comes from that pass (`qarl.train.logprobs.aligned_logprobs`); only
-        its gradient does. Default: the BLAS GEMM (int8 overrides: its GEMM is the faster)."""
+    def kernel_for_gradients(self, device: torch.device,
+                             compute: torch.dtype = torch.float32) -> bool:
+        """Whether a learner's gradient pass (kernel alignment, with grad) in `compute` (its
+        dtype: train.compute_dtype resolved) runs this kernel, or F.linear on act_qdq(x) and
+        the dequantized weight: the same function up to rounding, one dequantization per
+        weight version (the backward needs it anyway) and a plain BLAS GEMM, where the kernel
+        is an emulation or a decode-shaped one. The value of logp never comes from that pass
+        (`qarl.train.logprobs.aligned_logprobs`); only its gradient does. Default: the BLAS
+        GEMM (int8 overrides: its GEMM is the faster in an fp32 pass)."""
         return False
 
     def float_gemm(self, x: Tensor, qw: QWeight, weight) -> Tensor:

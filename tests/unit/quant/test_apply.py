@@ -165,3 +165,29 @@ def test_training_step_through_quantized_model():
     with torch.no_grad():
         model.logits(ids)
     assert all(layer.quantize_count == 2 for layer in layers.values())
+
+
+@pytest.mark.parametrize("name", ["w8a8-int8", "w4a16-int4"])
+def test_a_bf16_gradient_pass_quantizes_a_fused_groups_input_once(name, monkeypatch):
+    """In a bf16 gradient pass the layers of a fused group (q/k/v, gate/up) take one x_hat of
+    the input they share: act_qdq runs 4 times per block, not 7 (q/k/v, o, gate/up, down),
+    and every gradient is that of each layer quantizing its input itself, to the bit."""
+    scheme = type(SCHEMES[name])
+    act_qdq, calls = scheme.act_qdq, []
+    monkeypatch.setattr(scheme, "act_qdq", lambda self, x: calls.append(1) or act_qdq(self, x))
+    ids = torch.randint(0, CONFIG.vocab_size, (3, 10), generator=torch.Generator().manual_seed(0))
+    grads, counts = {}, {}
+    for shared in (True, False):
+        if not shared:
+            monkeypatch.setattr(QuantLinear, "_peers_x_hat", lambda self, x, compute: None)
+        model = quantize_model(_model(), name)
+        calls.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids)
+        logits.float().square().mean().backward()
+        counts[shared] = len(calls)
+        grads[shared] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert counts == {True: 4 * CONFIG.num_layers, False: 7 * CONFIG.num_layers}
+    assert grads[True].keys() == grads[False].keys() and len(grads[True]) > 14
+    for n, grad in grads[True].items():
+        assert torch.equal(grad, grads[False][n]), n

@@ -134,11 +134,12 @@ def test_training_after_inference_mode_decode():
 
 @pytest.mark.parametrize("name", ["w8a8-int8", "w4a16-int4"])
 def test_ste_backward_under_bf16_autocast_multiplies_in_bf16(name):
-    """Under autocast (train.compute_dtype = 'bfloat16') the int8 forward is the fp32 one, bit
-    for bit (its kernel gets x in fp32), int4's (the fake forward: a BLAS GEMM) autocast's
-    bf16 GEMM, within bf16 rounding; the backward's two GEMMs are bf16 GEMMs of
-    the same operands rounded to bf16: equal to them exactly, within bf16 rounding of the fp32
-    gradient, and the master weight's gradient stays fp32."""
+    """Under autocast (train.compute_dtype = 'bfloat16') every format's gradient forward is a
+    bf16 GEMM of x_hat and the dequantized weight rounded to bf16 (int8's int32 kernel runs in
+    fp32 passes only: `Scheme.kernel_for_gradients`), within bf16 rounding of the fp32
+    forward; the backward's two GEMMs are bf16 GEMMs of the same operands: equal to them
+    exactly, within bf16 rounding of the fp32 gradient, and the master weight's gradient
+    stays fp32."""
     layer = _layer(name, "kernel", bias=False)
     x = torch.randn(40, 256)
     g = torch.randn(40, 96)
@@ -149,12 +150,11 @@ def test_ste_backward_under_bf16_autocast_multiplies_in_bf16(name):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y16 = layer(xs[1])
     (y16 * g).sum().backward()
-    if layer.scheme.kernel_for_gradients(x.device):
-        assert torch.equal(y16, y32)
-    else:
-        assert (y16.float() - y32).abs().max() <= 3e-2 * y32.abs().max()
     w_hat = layer.dequantized().bfloat16()
     x_hat = layer.scheme.act_qdq(x).bfloat16()
+    assert not layer.scheme.kernel_for_gradients(x.device, torch.bfloat16)
+    assert y16.dtype == torch.bfloat16 and torch.equal(y16, x_hat @ w_hat.t())
+    assert (y16.float() - y32).abs().max() <= 3e-2 * y32.abs().max()
     assert layer.weight.grad.dtype == torch.float32
     assert torch.equal(layer.weight.grad, (g.bfloat16().t() @ x_hat).float())
     assert torch.equal(xs[1].grad, (g.bfloat16() @ w_hat).float())

@@ -1,5 +1,5 @@
-"""Native CPU kernels for decoding (AVX2 + FMA, AVX-512 / VNNI variants chosen at run time),
-batch-invariant by construction; and `machine()`, what every benchmark figure depends on.
+"""Native CPU kernels for decoding (AVX2 + FMA, AVX-512 / VNNI / AMX variants chosen at run
+time), batch-invariant by construction; and `machine()`, what every benchmark figure depends on.
 
 `available()` says whether they run here (`why_unavailable()` says why not). Weights are
 packed once (`pack_f32`, `pack_s8`, `pack_u4`) and the packed object is reused for every call:
@@ -7,7 +7,8 @@ packed once (`pack_f32`, `pack_s8`, `pack_u4`) and the packed object is reused f
 - `linear_f32(x, w)`: fp32 x W^T (+ bias) (+ residual), one fma chain per output element;
 - `linear_s8_dynamic(x, w)`: W8A8 int8 with the rows of x quantized per token in the kernel
   (= `numerics.int8_rows` bit for bit), exact int32 sums, then (acc * s_x) * s_w: the same
-  bits as `torch._int_mm` followed by the same two scale products;
+  bits as `torch._int_mm` followed by the same two scale products (`linear_s8_codes`: the
+  same on rows quantized already);
 - `linear_u4(x, w)`: int4 group weights dequantized to exactly `numerics.int4_dequantize`'s
   values, then the fp32 chain: equal to `linear_f32(x, pack_f32(dequantized))` bit for bit;
 - `round_bf16(x)`: x.bfloat16().float() in one pass (the rounding of W4A16's rows).
@@ -31,16 +32,16 @@ from qarl.native.decode import (
 )
 from qarl.native.ffi import available
 from qarl.native.gemm import (
-    PackedF32, PackedS8, PackedU4, linear_f32, linear_s8_dynamic, linear_u4, pack_f32, pack_s8,
-    F32_ISAS, S8_ISAS, f32_isa, pack_u4, quantize_s8_rows, quantize_u4, round_bf16, s8_isa,
-    scale_s32, use_f32_isa, use_s8_isa,
+    F32_ISAS, S8_ISAS, PackedF32, PackedS8, PackedU4, f32_isa, linear_f32, linear_s8_codes,
+    linear_s8_dynamic, linear_u4, pack_f32, pack_s8, pack_u4, qdq_s8_rows_bf16, quantize_s8_rows,
+    quantize_u4, round_bf16, s8_isa, scale_s32, use_f32_isa, use_s8_isa,
 )
 
 __all__ = [
     "available", "why_unavailable", "PackedF32", "PackedS8", "PackedU4",
-    "pack_f32", "pack_s8", "pack_u4", "linear_f32", "linear_s8_dynamic", "linear_u4",
-    "quantize_s8_rows", "quantize_u4", "round_bf16", "scale_s32", "S8_ISAS", "s8_isa",
-    "use_s8_isa", "F32_ISAS", "f32_isa", "use_f32_isa",
+    "pack_f32", "pack_s8", "pack_u4", "linear_f32", "linear_s8_dynamic", "linear_s8_codes",
+    "linear_u4", "qdq_s8_rows_bf16", "quantize_s8_rows", "quantize_u4", "round_bf16",
+    "scale_s32", "S8_ISAS", "s8_isa", "use_s8_isa", "F32_ISAS", "f32_isa", "use_f32_isa",
     "decode_attention", "rms_norm", "silu_mul", "BlockGemm", "DecodeBlock", "GemmKind",
     "sample_rows", "machine",
 ]

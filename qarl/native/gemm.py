@@ -88,7 +88,7 @@ def pack_s8(codes: Tensor, scales: Tensor) -> PackedS8:
 
 
 F32_ISAS = ("avx2", "avx512")  # the fp32 GEMM's instruction sets, by level (the same bits)
-S8_ISAS = ("avx2", "avx_vnni", "avx512_vnni")  # the int8 GEMM's instruction sets, by level
+S8_ISAS = ("avx2", "avx_vnni", "avx512_vnni", "amx_int8")  # the int8 GEMM's instruction sets, by level
 
 
 def _use_isa(levels: tuple[str, ...], what: str, name: str, setter) -> str:
@@ -134,6 +134,23 @@ def linear_s8_dynamic(x: Tensor, w: PackedS8) -> Tensor:
     return y
 
 
+def linear_s8_codes(xq: Tensor, xs: Tensor, w: PackedS8) -> Tensor:
+    """`linear_s8_dynamic` on activations quantized already: xq [M, K] int8 and xs [M] float32
+    (numerics.int8_rows of x) -> [M, N] float32, the same bits as `linear_s8_dynamic(x, w)`."""
+    if (xq.dim() != 2 or xq.dtype != torch.int8 or xq.shape[1] != w.k
+            or xs.shape != xq.shape[:1] or xs.dtype != torch.float32):
+        raise ValueError(f"linear_s8_codes expects int8 codes [M, {w.k}] and float32 scales [M], "
+                         f"got {xq.dtype} {tuple(xq.shape)}, {xs.dtype} {tuple(xs.shape)}")
+    xq = xq if xq.stride(1) == 1 else xq.contiguous()
+    xs = xs.contiguous()
+    m = xq.shape[0]
+    y = torch.empty(m, w.n, dtype=torch.float32)
+    _lib().qarl_linear_s8_codes(xq.data_ptr(), m, w.k, xq.stride(0), xs.data_ptr(),
+                                w.data.data_ptr(), w.scales.data_ptr(), w.n, y.data_ptr(), w.n,
+                                _threads())
+    return y
+
+
 def quantize_s8_rows(x: Tensor, col_scales: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """x [M, K] float32 -> (codes [M, K] int8, scales [M] float32): numerics.int8_rows bit for
     bit (the quantizer `linear_s8_dynamic` runs inside), one pass per row, rows in parallel.
@@ -153,6 +170,20 @@ def quantize_s8_rows(x: Tensor, col_scales: Tensor | None = None) -> tuple[Tenso
     _lib().qarl_quantize_s8_rows_scaled(x2.data_ptr(), m, k, k, cs.data_ptr(), codes.data_ptr(),
                                         k, scales.data_ptr(), _threads())
     return codes, scales
+
+
+def qdq_s8_rows_bf16(x: Tensor) -> Tensor:
+    """x [M, K] float32 or bfloat16 -> x_hat [M, K] bfloat16: the rows quantized as
+    numerics.int8_rows quantizes their fp32 values, dequantized and rounded to bf16, what
+    `(q.float() * s[:, None]).bfloat16()` gives, bit for bit, in one pass per row."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"qdq_s8_rows_bf16 expects float32 or bfloat16 rows, got {x.dtype}")
+    x2 = _rows(x, x.dtype, x.shape[-1], "qdq_s8_rows_bf16")
+    m, k = x2.shape
+    out = torch.empty(m, k, dtype=torch.bfloat16)
+    _lib().qarl_qdq_s8_rows_bf16(x2.data_ptr(), int(x2.dtype == torch.bfloat16), m, k, k,
+                                 out.data_ptr(), k, _threads())
+    return out
 
 
 def scale_s32(acc: Tensor, xs: Tensor, ws: Tensor | None = None) -> Tensor:

@@ -89,3 +89,9 @@ def has_amx_bf16(flags: set[str] | None = None) -> bool:
     """Whether this CPU (`flags`, this CPU's when None) has AMX tiles with bf16 arithmetic."""
     flags = cpu_flags() if flags is None else flags
     return {"amx_bf16", "amx_tile"} <= flags
+
+
+def has_amx_int8(flags: set[str] | None = None) -> bool:
+    """Whether this CPU (`flags`, this CPU's when None) has AMX tiles with int8 arithmetic."""
+    flags = cpu_flags() if flags is None else flags
+    return {"amx_int8", "amx_tile"} <= flags

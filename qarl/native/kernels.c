@@ -20,11 +20,10 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "simd.h"
 
 #define NR 24  // output columns per panel: 3 vectors of 8
 #define MR 4   // rows per register tile: 4 x 3 accumulators + 3 weights + 1 broadcast = 16 ymm
-
-#define INLINE static inline __attribute__((always_inline))
 
 static int64_t panels(int64_t n) { return (n + NR - 1) / NR; }
 
@@ -437,17 +436,6 @@ float qarl_round_bf16(float v) {
     u &= 0xffff0000u;
     memcpy(&v, &u, sizeof v);
     return v;
-}
-
-// qarl_round_bf16 of 8 lanes: the same integer steps, the NaN lanes blended in.
-INLINE __m256 round_bf16_ps(__m256 v) {
-    __m256i u = _mm256_castps_si256(v);
-    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                     _mm256_set1_epi32(0x7f800000));
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-    r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x00400000)), nan);
-    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)));
 }
 
 void qarl_round_bf16_row(const float* x, int64_t n, float* out) {

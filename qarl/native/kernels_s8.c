@@ -2,14 +2,17 @@
 // fp32 and int4 GEMMs are in kernels.c). Every output element is an exact int32 sum, whatever
 // M is: batch-invariant by construction. Built into the same library as kernels.c by build.py.
 
+#define _GNU_SOURCE  // syscall(): AMX tiles need the kernel's permission (qarl_s8_isa)
+#include <cpuid.h>
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "kernels.h"
-
-#define INLINE static inline __attribute__((always_inline))
+#include "simd.h"
 // ---------------------------------------------------------------------------------------
 // int8 x int8 -> int32 (W8A8)
 //
@@ -80,35 +83,187 @@ INLINE int32_t load4(const int8_t* p) {
 #undef S8_NAME
 #undef S8_TARGET
 
-// Which int8 arithmetic qarl_s8_panels runs: S8_AVX2, or a VNNI one where the CPU has it
-// (chosen at the first call from the CPU's own flags; qarl_s8_set_isa overrides, for tests).
-enum { S8_AUTO = -1, S8_AVX2 = 0, S8_AVXVNNI = 1, S8_AVX512VNNI = 2 };
-static int s8_isa = S8_AUTO;
+// ---------------------------------------------------------------------------------------
+// AMX-INT8: the panels above, multiplied in tiles.
+//
+// TDPBSSD multiplies a 16 x 64 int8 tile A by a 16 x 64 int8 tile B laid out as 16 quads of k
+// by 16 columns (B[kq][4 n + i] = w[n, 4 kq + i]) and adds each group of 4 products to a
+// 16 x 16 int32 tile C: signed x signed, no sign trick, exact. That B layout is the panel
+// layout of qarl_pack_s8 (NR8 = 16 columns, 4 consecutive k per column), so a weight tile is
+// 16 consecutive panel rows (1 KiB, row stride 64 bytes) and the packs serve every
+// instruction set. Per 32 rows x 32 columns (two row blocks, two panels) the loop over k keeps
+// four C tiles and loads two A and two B tiles per 64 k. The epilogue is the VNNI tile's:
+// the exact sum converted once, * xs[row], * ws[n] (+ bias) (+ residual), vector for vector
+// the same roundings, so AMX gives the same bits as AVX2 and VNNI (tested). K must be a
+// multiple of 64 (every projection of the supported models); otherwise the call runs the
+// AVX-512 VNNI panels, which AMX CPUs have. Rows past M in the last block of 16 are read
+// from a zero-padded copy of those rows, never past the caller's buffer.
+//
+// Linux hands out the 8 KiB of tile registers only on request (arch_prctl
+// ARCH_REQ_XCOMP_PERM, once per process: torch's oneDNN makes the same request); where the
+// request fails, or the compiler predates AMX, qarl runs the VNNI panels.
 
-int qarl_s8_isa(void) {
-    if (s8_isa == S8_AUTO) {
-        __builtin_cpu_init();
-        s8_isa = (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl"))
-                     ? S8_AVX512VNNI
-                 : __builtin_cpu_supports("avxvnni") ? S8_AVXVNNI
-                                                     : S8_AVX2;
+#if (defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || \
+    (defined(__clang__) && __clang_major__ >= 12)
+#define QARL_AMX 1
+#define AMX_TARGET "amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx2,fma"
+
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) amx_config;
+
+// the 16 x 16 int32 sums of one tile -> y rows [mr, nc], as S8_NAME(tile) scales them
+__attribute__((target(AMX_TARGET))) static void amx_epilogue(
+    const int32_t* acc, int mr, int nc, const float* xs, const float* ws, const float* bias,
+    const float* res, int64_t ldr, float* y, int64_t ldy) {
+    const __mmask16 cols = (__mmask16)(nc >= 16 ? 0xFFFF : (1u << nc) - 1);
+    const __m512 w = _mm512_loadu_ps(ws);  // scales are padded to whole panels
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(cols, bias) : _mm512_setzero_ps();
+    for (int r = 0; r < mr; r++) {
+        __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + 16 * r)),
+                                               _mm512_set1_ps(xs[r])), w);
+        if (bias) v = _mm512_add_ps(v, b);
+        if (res) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(cols, res + r * ldr));
+        _mm512_mask_storeu_ps(y + r * ldy, cols, v);
     }
-    return s8_isa;
 }
 
-// Force the int8 arithmetic (S8_AVX2 always runs; a VNNI level only where the CPU has it);
-// returns the level now in use.
+__attribute__((target(AMX_TARGET))) static void panels_amx(
+    const int8_t* x, int64_t M, int64_t Kq, int64_t ld, const float* xs, const int8_t* wp,
+    const float* ws, int64_t N, const float* bias, const float* res, int64_t ldr, float* y,
+    int64_t ldy) {
+    int64_t P = panels8(N), pairs = (P + 1) / 2, KT = Kq / 16, Mfull = M / 16 * 16;
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);  // per thread: tile state is a thread's own
+    int8_t* tail = 0;        // rows Mfull..M-1, zero padded to 16 rows
+    if (M > Mfull) {
+        tail = (int8_t*)calloc((size_t)(16 * ld), 1);
+        memcpy(tail, x + Mfull * ld, (size_t)((M - Mfull) * ld));
+    }
+    int32_t acc[4][256] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+    for (int64_t pp = 0; pp < pairs; pp++) {
+        int64_t n0 = 2 * pp * NR8;
+        int two = 2 * pp + 1 < P;  // a second panel in this pair
+        const int8_t* b0 = wp + 2 * pp * Kq * 4 * NR8;
+        const int8_t* b1 = b0 + Kq * 4 * NR8;
+        for (int64_t m0 = 0; m0 < M; m0 += 32) {
+            int second = m0 + 16 < M;  // a second block of rows
+            const int8_t* a0 = m0 < Mfull ? x + m0 * ld : tail;
+            const int8_t* a1 = m0 + 16 < Mfull ? x + (m0 + 16) * ld : tail;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t kt = 0; kt < KT; kt++) {
+                _tile_loadd(4, a0 + kt * 64, ld);
+                _tile_loadd(6, b0 + kt * 1024, 64);
+                _tile_dpbssd(0, 4, 6);
+                if (two) {
+                    _tile_loadd(7, b1 + kt * 1024, 64);
+                    _tile_dpbssd(1, 4, 7);
+                }
+                if (second) {
+                    _tile_loadd(5, a1 + kt * 64, ld);
+                    _tile_dpbssd(2, 5, 6);
+                    if (two) _tile_dpbssd(3, 5, 7);
+                }
+            }
+            _tile_stored(0, acc[0], 64);
+            _tile_stored(1, acc[1], 64);
+            _tile_stored(2, acc[2], 64);
+            _tile_stored(3, acc[3], 64);
+            for (int blk = 0; blk < 4; blk++) {
+                int64_t r0 = m0 + (blk >> 1) * 16, c0 = n0 + (blk & 1) * NR8;
+                if (r0 >= M || c0 >= N) continue;
+                int mr = M - r0 < 16 ? (int)(M - r0) : 16, nc = N - c0 < NR8 ? (int)(N - c0) : NR8;
+                amx_epilogue(acc[blk], mr, nc, xs + r0, ws + c0, bias ? bias + c0 : 0,
+                             res ? res + r0 * ldr + c0 : 0, ldr, y + r0 * ldy + c0, ldy);
+            }
+        }
+    }
+    free(tail);
+    _tile_release();
+}
+
+// Whether this CPU has AMX-INT8 tiles and Linux lets this process use them.
+static int amx_usable(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    if (!((d >> 24) & 1) || !((d >> 25) & 1)) return 0;  // AMX-TILE, AMX-INT8
+    // ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18)
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+#else
+#define QARL_AMX 0
+static int amx_usable(void) { return 0; }
+#endif
+
+// Which int8 arithmetic qarl_s8_panels runs: S8_AVX2, a VNNI one or AMX where the CPU has it
+// (chosen at the first call from the CPU's own flags; qarl_s8_set_isa overrides, for tests).
+enum { S8_AUTO = -1, S8_AVX2 = 0, S8_AVXVNNI = 1, S8_AVX512VNNI = 2, S8_AMX = 3 };
+static int s8_isa = S8_AUTO;
+
+static int s8_supported(int isa) {
+    __builtin_cpu_init();
+    switch (isa) {
+        case S8_AVX2: return 1;
+        case S8_AVXVNNI: return __builtin_cpu_supports("avxvnni");
+        case S8_AVX512VNNI:
+            return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+        case S8_AMX:
+            return s8_supported(S8_AVX512VNNI) && amx_usable();  // K % 64 != 0 runs VNNI-512
+        default: return 0;
+    }
+}
+
+// The first call may come from every thread of a parallel region at once: each works the
+// level out on its own (requesting the AMX permission before it can answer S8_AMX) and only
+// then publishes it, so no thread runs a level another has merely begun to check.
+int qarl_s8_isa(void) {
+    int isa = __atomic_load_n(&s8_isa, __ATOMIC_ACQUIRE);
+    if (isa == S8_AUTO) {
+        isa = S8_AMX;
+        while (!s8_supported(isa)) isa--;
+        __atomic_store_n(&s8_isa, isa, __ATOMIC_RELEASE);
+    }
+    return isa;
+}
+
+// Force the int8 arithmetic (S8_AVX2 always runs; a higher level only where the CPU has it;
+// AVX-VNNI asked on a CPU with AVX512-VNNI only runs that, the same instruction on the same
+// 256-bit vectors); returns the level now in use.
 int qarl_s8_set_isa(int isa) {
-    int best = (s8_isa = S8_AUTO, qarl_s8_isa());
-    s8_isa = isa < S8_AVX2 ? best : (isa > best ? best : isa);
-    if (isa == S8_AVXVNNI && best == S8_AVX512VNNI) s8_isa = S8_AVX512VNNI;  // a superset
-    return s8_isa;
+    __atomic_store_n(&s8_isa, S8_AUTO, __ATOMIC_RELEASE);
+    int best = qarl_s8_isa();
+    if (isa < S8_AVX2 || isa > best) {
+        isa = best;
+    } else if (isa == S8_AVXVNNI && !s8_supported(S8_AVXVNNI)) {
+        isa = S8_AVX512VNNI;
+    }
+    __atomic_store_n(&s8_isa, isa, __ATOMIC_RELEASE);
+    return isa;
 }
 
 void qarl_s8_panels(const int8_t* x, int64_t M, int64_t Kq, int64_t ld, const float* xs,
                     const int8_t* wp, const float* ws, int64_t N, const float* bias,
                     const float* res, int64_t ldr, float* y, int64_t ldy) {
     switch (qarl_s8_isa()) {
+#if QARL_AMX
+        case S8_AMX:
+            if (Kq % 16 == 0) {
+                panels_amx(x, M, Kq, ld, xs, wp, ws, N, bias, res, ldr, y, ldy);
+                break;
+            }
+            // fall through: K not a multiple of 64
+#endif
         case S8_AVX512VNNI:
             panels_avx512vnni(x, M, Kq, ld, xs, wp, ws, N, bias, res, ldr, y, ldy);
             break;
@@ -178,6 +333,55 @@ void qarl_quantize_s8_rows_scaled(const float* x, int64_t M, int64_t K, int64_t 
     }
 }
 
+// x_hat = bf16((float)q * s) for each row of x [M, K] (fp32, or bf16 bits when x_bf16; row
+// stride ldx), (q, s) = numerics.int8_rows of the row (of its fp32 values): what
+// `(q.float() * s[:, None]).bfloat16()` gives, bit for bit, in one pass per row without the
+// fp32 tensor between. out: [M, K] bf16 bits (row stride ldo). W8A8's activation
+// quantize-dequantize in a bf16 gradient pass.
+void qarl_qdq_s8_rows_bf16(const void* x, int x_bf16, int64_t M, int64_t K, int64_t ldx,
+                           uint16_t* out, int64_t ldo, int nthreads) {
+#pragma omp parallel num_threads(nthreads) if (M * K > 32768)
+    {
+        int8_t* q = (int8_t*)malloc((size_t)(K > 0 ? K : 1));
+        float* row = x_bf16 ? (float*)malloc(sizeof(float) * (size_t)(K > 0 ? K : 1)) : 0;
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            const float* xr;
+            if (x_bf16) {
+                const uint16_t* b = (const uint16_t*)x + m * ldx;
+                for (int64_t k = 0; k < K; k++) {
+                    uint32_t u = (uint32_t)b[k] << 16;
+                    memcpy(row + k, &u, sizeof u);
+                }
+                xr = row;
+            } else {
+                xr = (const float*)x + m * ldx;
+            }
+            float sc;
+            qarl_quantize_row_s8(xr, K, q, &sc);
+            uint16_t* o = out + m * ldo;
+            const __m256 vs = _mm256_set1_ps(sc);
+            int64_t k = 0;
+            for (; k + 8 <= K; k += 8) {
+                __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + k)));
+                __m256 v = round_bf16_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(c), vs));
+                __m128i h = _mm256_castsi256_si128(_mm256_permute4x64_epi64(
+                    _mm256_packus_epi32(_mm256_srli_epi32(_mm256_castps_si256(v), 16),
+                                        _mm256_setzero_si256()), 0x08));
+                _mm_storeu_si128((__m128i*)(o + k), h);
+            }
+            for (; k < K; k++) {
+                float v = qarl_round_bf16((float)q[k] * sc);
+                uint32_t u;
+                memcpy(&u, &v, sizeof u);
+                o[k] = (uint16_t)(u >> 16);
+            }
+        }
+        free(row);
+        free(q);
+    }
+}
+
 // y[m, n] = ((float)acc[m, n] * xs[m]) * ws[n]: an exact int32 GEMM result scaled as the
 // kernels above scale it (two rounded products, in that order), in one pass; with ws NULL,
 // (float)acc[m, n] * xs[m].
@@ -202,9 +406,29 @@ void qarl_linear_s8_dynamic(const float* x, int64_t M, int64_t K, int64_t ldx, c
     int64_t Kq = (K + 3) / 4, ld = Kq * 4;
     int8_t* xq = (int8_t*)calloc((size_t)(M * ld), 1);
     float* xs = (float*)malloc(sizeof(float) * (size_t)(M > 0 ? M : 1));
-    for (int64_t m = 0; m < M; m++) qarl_quantize_row_s8(x + m * ldx, K, xq + m * ld, xs + m);
-#pragma omp parallel num_threads(nthreads)
-    qarl_s8_panels(xq, M, Kq, ld, xs, wp, ws, N, 0, 0, 0, y, ldy);
+#pragma omp parallel num_threads(nthreads) if (M * K * N > 1 << 16)
+    {
+        // rows quantized in parallel from a few rows on (a prefill's or a learner's hundreds)
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) qarl_quantize_row_s8(x + m * ldx, K, xq + m * ld, xs + m);
+        qarl_s8_panels(xq, M, Kq, ld, xs, wp, ws, N, 0, 0, 0, y, ldy);
+    }
     free(xs);
     free(xq);
+}
+
+// The same GEMM on activation codes already made (numerics.int8_rows of x: codes [M, K] with
+// row stride ldq, scales [M]): for a learner that keeps the codes for its backward.
+void qarl_linear_s8_codes(const int8_t* xq, int64_t M, int64_t K, int64_t ldq, const float* xs,
+                          const int8_t* wp, const float* ws, int64_t N, float* y, int64_t ldy,
+                          int nthreads) {
+    int64_t Kq = (K + 3) / 4, ld = Kq * 4;
+    int8_t* padded = 0;  // rows the panels read in whole quads of k
+    if (ld != ldq) {
+        padded = (int8_t*)calloc((size_t)(M * ld), 1);
+        for (int64_t m = 0; m < M; m++) memcpy(padded + m * ld, xq + m * ldq, (size_t)K);
+    }
+#pragma omp parallel num_threads(nthreads) if (M * K * N > 1 << 16)
+    qarl_s8_panels(padded ? padded : xq, M, Kq, ld, xs, wp, ws, N, 0, 0, 0, y, ldy);
+    free(padded);
 }

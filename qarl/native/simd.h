@@ -1,4 +1,4 @@
-// Small AVX2 helpers shared by attention.c and decode.c (see README.md beside this file).
+// Small AVX2 helpers shared by qarl's C files (see README.md beside this file).
 #pragma once
 
 #include <immintrin.h>
@@ -66,4 +66,16 @@ INLINE void rms_norm_row(const float* x, int64_t n, const float* w, float eps, f
         _mm256_storeu_ps(out + i, v);
     }
     for (; i < n; i++) out[i] = w ? w[i] * (x[i] * r) : x[i] * r;
+}
+
+// fp32 -> the nearest bf16 (ties to even) as fp32, 8 lanes: qarl_round_bf16's integer steps
+// (kernels.c), the NaN lanes blended in.
+INLINE __m256 round_bf16_ps(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                     _mm256_set1_epi32(0x7f800000));
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x00400000)), nan);
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)));
 }

@@ -319,7 +319,7 @@ class QuantLinear(nn.Module):
         quantization and one kept copy per group."""
         x_hat = self._peers_x_hat(x, compute)
         if x_hat is None:
-            x_hat = self.scheme.act_qdq(x2.detach().float()).to(compute)
+            x_hat = self.scheme.act_qdq_to(x2.detach(), compute)
         # weak references: the graph that saves x_hat keeps it alive, not this layer
         self._x_hat = (weakref.ref(x), x._version, weakref.ref(x_hat))
         w_hat = self.dequantized(compute)

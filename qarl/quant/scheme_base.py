@@ -88,6 +88,11 @@ class Scheme:
     def act_qdq(self, x: Tensor) -> Tensor:  # [M, K] -> [M, K] float32
         raise NotImplementedError(f"{type(self).__name__} must define act_qdq")
 
+    def act_qdq_to(self, x: Tensor, dtype: torch.dtype) -> Tensor:  # [M, K] -> [M, K] dtype
+        """act_qdq(x.float()).to(dtype), bit for bit: a 16-bit gradient pass's x_hat. A format
+        with a one-pass kernel for it overrides this."""
+        return self.act_qdq(x.float()).to(dtype)
+
     def quantize_dequantized(self, w: Tensor, dequantized: bool = True
                              ) -> tuple[QWeight, Tensor | None]:
         """(quantize(w), dequantize of it or None): a learner layer needs both once per weight

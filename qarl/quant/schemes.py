@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from qarl import native as nat
-from qarl.native.isa import has_int8_dot
+from qarl.native.isa import has_amx_int8, has_int8_dot
 from qarl.quant import kernels as K
 from qarl.quant import numerics as nm
 from qarl.quant.qweight import QWeight
@@ -60,8 +60,9 @@ class NoneScheme(Scheme):
 @dataclass(frozen=True)
 class Int8Scheme(Scheme):
     """W8A8 int8: symmetric per-channel weights, dynamic symmetric per-token activations.
-    gemm: "auto" (CUDA: int_mm; a CPU with VNNI or AMX-INT8: int_mm, oneDNN's int8 GEMM on
-    those instructions; else native if it runs here, else onednn, else sgemm), "native",
+    gemm: "auto" (CUDA: int_mm; a CPU with AMX-INT8: native, qarl.native's AMX tiles, 1.1-7x
+    torch._int_mm at every shape measured; a CPU with VNNI: int_mm, oneDNN's int8 GEMM on those
+    instructions; else native if it runs here, else onednn, else sgemm), "native",
     "int_mm", "onednn" or "sgemm"; all give identical int32 accumulators and the same scale
     products, hence identical outputs (see kernels.exact_int8_gemm), on every CPU.
     QWeight: codes [N, K] int8 in [-127, 127]; scales [N] float32 (s = max|w| / 127)."""
@@ -80,11 +81,19 @@ class Int8Scheme(Scheme):
             return self.gemm
         if device.type == "cuda":
             return "int_mm"
+        if self._amx(device):
+            return "native"  # qarl/native/README.md: at 32 rows 3-4x, at 768 1.1-7x _int_mm
         if K.onednn_available(device) and has_int8_dot():
             return "int_mm"  # 3-4x qarl.native's AVX2 int8 GEMM at every batch size measured
         if K.native_ok(device):
             return "native"
         return "onednn" if K.onednn_available(device) else "sgemm"
+
+    @staticmethod
+    def _amx(device: torch.device) -> bool:
+        # qarl.native's int8 GEMM runs on AMX tiles here (the CPU has them and Linux allows them)
+        return (device.type == "cpu" and has_amx_int8() and K.native_ok(device)
+                and nat.s8_isa() == "amx_int8")
 
     def quantize(self, w: Tensor) -> QWeight:
         self.check_weight(w)
@@ -99,6 +108,14 @@ class Int8Scheme(Scheme):
     def act_qdq(self, x: Tensor) -> Tensor:
         xq, xs = _int8_rows(x)
         return xq.float() * xs[:, None]
+
+    def act_qdq_to(self, x: Tensor, dtype: torch.dtype) -> Tensor:
+        if dtype == torch.bfloat16 and x.device.type == "cpu" and K.native_ok(x.device) \
+                and x.dtype in (torch.float32, torch.bfloat16):
+            # one pass per row: on [768 x 576] rows 0.1 ms where quantize, multiply and cast
+            # take 0.5-1.7 ms (qarl/quant/README.md)
+            return nat.qdq_s8_rows_bf16(x)
+        return super().act_qdq_to(x, dtype)
 
     def _native(self, qw: QWeight, device: torch.device) -> nat.PackedS8:
         return self.prepared(qw, device, "native-s8", lambda: nat.pack_s8(qw.codes, qw.scales))
@@ -141,18 +158,22 @@ class Int8Scheme(Scheme):
         return self.matmul_codes(_int8_rows(x), qw)
 
     def act_codes(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
-        # where the native kernel runs these rows it quantizes inside: no codes to keep
-        return None if self._rows_method(x) == "native" else _int8_rows(x)
+        # where the native kernel runs these rows it quantizes inside: no codes to keep, but
+        # on AMX tiles it runs on codes as fast (linear_s8_codes), and the backward keeps them
+        native = self._rows_method(x) == "native"
+        return None if native and not self._amx(x.device) else _int8_rows(x)
 
     def act_from_codes(self, codes: tuple[Tensor, Tensor]) -> Tensor:
         xq, xs = codes
         return xq.float() * xs[:, None]  # = act_qdq(x) bit for bit
 
     def matmul_codes(self, codes: tuple[Tensor, Tensor], qw: QWeight) -> Tensor:
-        # rows the native kernel runs never come here (matmul, act_codes): method is a GEMM
-        # of kernels.exact_int8_gemm
+        # rows the native kernel runs come here on AMX only (act_codes); elsewhere method is
+        # a GEMM of kernels.exact_int8_gemm
         xq, xs = codes  # [M, K] int8, [M]
         method = self.method(xq.device)
+        if method == "native":
+            return nat.linear_s8_codes(xq, xs, self._native(qw, xq.device))
         operand = None
         if method in ("sgemm", "onednn"):
             operand = self.prepared(qw, xq.device, method,
@@ -169,8 +190,9 @@ class Int8Scheme(Scheme):
 
     def prefers_backward_on_codes(self, device: torch.device) -> bool:
         # torch._int_mm on VNNI / AMX-INT8 (3.7-4x oneDNN's fp32 at the learner's shapes on
-        # AMD Zen 4: docs/training.md); CUDA learners run bf16 there ('auto' compute)
-        return device.type == "cpu" and self.method(device) == "int_mm"
+        # AMD Zen 4: docs/training.md), the forward on AMX tiles; CUDA learners run bf16 there
+        # ('auto' compute)
+        return device.type == "cpu" and (self.method(device) == "int_mm" or self._amx(device))
 
     def grad_input_codes(self, g: Tensor, qw: QWeight) -> Tensor:
         # SwitchBack (Wortsman et al. 2023): W_hat[n, k] = s_w[n] q[n, k] varies along the
@@ -194,6 +216,9 @@ class Int8Scheme(Scheme):
 
     def kernel_path(self, device: torch.device, qw: QWeight) -> str:
         method = self.method(device)
+        if method == "native" and self._amx(device):
+            return ("native int8 GEMM (qarl.native amx_int8: int8 tiles, exact int32 sums = "
+                    "torch._int_mm bit for bit)")
         if method == "native":
             return (f"native int8 GEMM (qarl.native {nat.s8_isa()}: the activation sign on the "
                     "weight, exact int32 sums = torch._int_mm bit for bit)")

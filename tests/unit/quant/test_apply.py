@@ -170,11 +170,12 @@ def test_training_step_through_quantized_model():
 @pytest.mark.parametrize("name", ["w8a8-int8", "w4a16-int4"])
 def test_a_bf16_gradient_pass_quantizes_a_fused_groups_input_once(name, monkeypatch):
     """In a bf16 gradient pass the layers of a fused group (q/k/v, gate/up) take one x_hat of
-    the input they share: act_qdq runs 4 times per block, not 7 (q/k/v, o, gate/up, down),
+    the input they share: act_qdq_to runs 4 times per block, not 7 (q/k/v, o, gate/up, down),
     and every gradient is that of each layer quantizing its input itself, to the bit."""
     scheme = type(SCHEMES[name])
-    act_qdq, calls = scheme.act_qdq, []
-    monkeypatch.setattr(scheme, "act_qdq", lambda self, x: calls.append(1) or act_qdq(self, x))
+    act_qdq_to, calls = scheme.act_qdq_to, []
+    monkeypatch.setattr(scheme, "act_qdq_to",
+                        lambda self, x, dtype: calls.append(1) or act_qdq_to(self, x, dtype))
     ids = torch.randint(0, CONFIG.vocab_size, (3, 10), generator=torch.Generator().manual_seed(0))
     grads, counts = {}, {}
     for shared in (True, False):

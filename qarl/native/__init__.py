@@ -1,5 +1,6 @@
-"""Native CPU kernels for decoding (AVX2 + FMA, AVX-512 / VNNI / AMX variants chosen at run
-time), batch-invariant by construction; and `machine()`, what every benchmark figure depends on.
+"""Native CPU kernels for decoding and the learner's logprobs (AVX2 + FMA, AVX-512 / VNNI / AMX
+variants chosen at run time), batch-invariant by construction; and `machine()`, what every
+benchmark figure depends on.
 
 `available()` says whether they run here (`why_unavailable()` says why not). Weights are
 packed once (`pack_f32`, `pack_s8`, `pack_u4`) and the packed object is reused for every call:
@@ -13,7 +14,10 @@ packed once (`pack_f32`, `pack_s8`, `pack_u4`) and the packed object is reused f
   values, then the fp32 chain: equal to `linear_f32(x, pack_f32(dequantized))` bit for bit;
 - `round_bf16(x)`: x.bfloat16().float() in one pass (the rounding of W4A16's rows).
 
-Around them, the per-token operations of a decode step: `decode_attention` (q/k norm, RoPE,
+For the learner, `token_logp` / `token_logp_backward`: the tokens' log-probabilities and the
+entropy of lm_head logits in one pass per row, and their gradient.
+
+Around the GEMMs, the per-token operations of a decode step: `decode_attention` (q/k norm, RoPE,
 cache write and attention of one new token), `rms_norm`, `silu_mul`, `sample_rows`, and
 `DecodeBlock`, a whole decoder block in one call, whose projections are `BlockGemm`s of a
 `GemmKind` (the quantization scheme names the kind: `Scheme.native_operand`).
@@ -36,6 +40,7 @@ from qarl.native.gemm import (
     linear_s8_dynamic, linear_u4, pack_f32, pack_s8, pack_u4, qdq_s8_rows_bf16, quantize_s8_rows,
     quantize_u4, round_bf16, s8_isa, scale_s32, use_f32_isa, use_s8_isa,
 )
+from qarl.native.logprobs import token_logp, token_logp_backward
 
 __all__ = [
     "available", "why_unavailable", "PackedF32", "PackedS8", "PackedU4",
@@ -43,7 +48,7 @@ __all__ = [
     "linear_u4", "qdq_s8_rows_bf16", "quantize_s8_rows", "quantize_u4", "round_bf16",
     "scale_s32", "S8_ISAS", "s8_isa", "use_s8_isa", "F32_ISAS", "f32_isa", "use_f32_isa",
     "decode_attention", "rms_norm", "silu_mul", "BlockGemm", "DecodeBlock", "GemmKind",
-    "sample_rows", "machine",
+    "sample_rows", "token_logp", "token_logp_backward", "machine",
 ]
 
 

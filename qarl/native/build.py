@@ -1,4 +1,5 @@
-"""Compile kernels.c, kernels_s8.c, attention.c and decode.c once per machine and load them with ctypes.
+"""Compile qarl's C files (kernels.c, kernels_s8.c, attention.c, decode.c, logprobs.c) once per
+machine and load them with ctypes.
 
 The shared library is built on first use with the system C compiler (no torch headers, so it
 takes about a second) into `$QARL_HOME/kernels/qarl_cpu-<hash>.so`, the hash covering the
@@ -25,7 +26,7 @@ import torch  # noqa: F401  (loaded first: its libgomp is the one kernels.c link
 from qarl.native.isa import cpu_flags
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("kernels.c", "kernels_s8.c", "attention.c", "decode.c")]
+           for name in ("kernels.c", "kernels_s8.c", "attention.c", "decode.c", "logprobs.c")]
 # included by the sources: part of the hash
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "kernels.h", "kernels_s8_tile.h")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
@@ -101,6 +102,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "qarl_silu_mul": [p, i64, i64, p, i32],
         "qarl_decode_block": [p, p, i64, p, p, i64, p, p, i64, i64, i64, i64, p, i64, i32],
         "qarl_sample_rows": [p, i64, i64, i64, f32, p, p, p, p, i32],
+        "qarl_token_logp": [p, i32, i64, i64, i64, p, f32, p, p, p, i32],
+        "qarl_token_logp_backward": [p, i32, i64, i64, i64, p, f32, p, p, p, i64, i32],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)

@@ -1,7 +1,9 @@
 """qarl.native's int8 GEMM at the row and column counts where its tiles have edges (AMX's 16 x 16
-tiles in pairs, the VNNI / AVX2 4-row tiles), its GEMM on codes quantized already, and the bf16
-quantize-dequantize of a bf16 gradient pass: bit-level promises (torch.equal against an int64
-reference or the torch ops).
+tiles in pairs, the VNNI / AVX2 4-row tiles), its GEMM on codes quantized already, the bf16
+quantize-dequantize of a bf16 gradient pass, and the learner's one-pass token logprobs.
+
+The int8 promises are bit-level (torch.equal against an int64 reference); the logprob kernel
+sums in another order than torch's and is held to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -106,3 +108,64 @@ def test_qdq_to_bf16_equals_the_torch_ops(dtype):
     scheme = SCHEMES["w8a8-int8"]
     assert torch.equal(scheme.act_qdq_to(x, torch.bfloat16).view(torch.int16), want.view(torch.int16))
     assert torch.equal(scheme.act_qdq_to(x, torch.float32), scheme.act_qdq(x.float()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logp_matches_torch_and_its_gradient(dtype, temperature):
+    """token_logp's logp, entropy and log-normalizer equal torch's log-softmax (of
+    logits.float() / T) to fp32 rounding of a 1003-term sum, each row's bits are its own
+    whatever the batch, and token_logp_backward is autograd's gradient of sum(g * logp), to
+    one rounding in the logits' dtype."""
+    z = _rand((37, 1003), 1, scale=4.0).to(dtype)
+    tokens = torch.randint(0, 1003, (37,), generator=torch.Generator().manual_seed(2))
+    logp, entropy, logz = nat.token_logp(z, tokens, temperature)
+    scaled = z.float() / temperature
+    log_soft = torch.log_softmax(scaled, -1)
+    torch.testing.assert_close(logz, torch.logsumexp(scaled, -1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(logp, log_soft.gather(-1, tokens[:, None])[:, 0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy, -(log_soft.exp() * log_soft).sum(-1), rtol=0, atol=1e-5)
+    alone = nat.token_logp(z[5:6], tokens[5:6], temperature)
+    assert all(torch.equal(a[0], b[5]) for a, b in zip(alone, (logp, entropy, logz)))
+
+    g = _rand((37,), 3)
+    leaf = z.clone().requires_grad_(True)
+    lp = (leaf.float() / temperature).log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
+    (lp * g).sum().backward()
+    grad = nat.token_logp_backward(z, tokens, temperature, logz, g)
+    assert grad.dtype == dtype
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -22  # relative, one rounding or two
+    bound = ulp * leaf.grad.float().abs() + 1e-6
+    assert ((grad.float() - leaf.grad.float()).abs() <= bound).all()
+
+
+def test_learner_logprobs_take_the_native_kernel_with_the_same_values():
+    """The learner's chunked logprobs (`qarl.train.logprobs`) run on the native kernel on the
+    CPU: the same logp and entropy as the PyTorch ops to fp32 rounding, and the same hidden-state
+    gradient to bf16 rounding under a bf16 pass."""
+    from torch import nn
+
+    from qarl.train import logprobs as lp
+
+    torch.manual_seed(0)
+    head = nn.Linear(64, 1000, bias=False)
+    hidden = _rand((48, 64), 5, scale=2.0)
+    tokens = torch.randint(0, 1000, (48,), generator=torch.Generator().manual_seed(6))
+    results = {}
+    for native in (True, False):
+        h = hidden.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if native:
+                logp, entropy = lp._chunk_logprobs_and_entropy(head, h, tokens, 1.0)
+            else:
+                logits = lp.lm_head_logits(head, h)
+                logp = lp.token_logprobs(logits, tokens, 1.0)
+                ls = torch.log_softmax(logits.float(), -1)
+                entropy = -(ls.exp() * ls).sum(-1)
+        assert native == (logp.grad_fn.name() == "_NativeTokenLogpBackward")
+        logp.sum().backward()
+        results[native] = (logp.detach(), entropy.detach(), h.grad)
+    (a_lp, a_ent, a_g), (b_lp, b_ent, b_g) = results[True], results[False]
+    torch.testing.assert_close(a_lp, b_lp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(a_ent, b_ent, rtol=0, atol=1e-5)
+    torch.testing.assert_close(a_g, b_g, rtol=2e-2, atol=1e-3)

@@ -186,6 +186,19 @@ def qdq_s8_rows_bf16(x: Tensor) -> Tensor:
     return out
 
 
+def dequant_s8_bf16(codes: Tensor, scales: Tensor) -> Tensor:
+    """codes [N, K] int8, scales [N] float32 -> [N, K] bfloat16: `(codes * scales[:, None])
+    .bfloat16()` bit for bit, in one pass without the fp32 tensor between."""
+    if codes.dim() != 2 or codes.dtype != torch.int8 or scales.shape != codes.shape[:1]:
+        raise ValueError(f"dequant_s8_bf16 expects int8 codes [N, K] and scales [N], got "
+                         f"{codes.dtype} {tuple(codes.shape)}, {tuple(scales.shape)}")
+    codes, scales = codes.contiguous(), scales.float().contiguous()
+    out = torch.empty(codes.shape, dtype=torch.bfloat16)
+    _lib().qarl_dequant_s8_bf16(codes.data_ptr(), scales.data_ptr(), codes.shape[0],
+                                codes.shape[1], out.data_ptr(), _threads())
+    return out
+
+
 def scale_s32(acc: Tensor, xs: Tensor, ws: Tensor | None = None) -> Tensor:
     """acc [M, N] int32 (an exact int8 GEMM), xs [M], ws [N] float32 -> (acc * xs) * ws [M, N]
     float32, the same two rounded products as `acc.float() * xs[:, None] * ws[None]`, in one

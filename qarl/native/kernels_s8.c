@@ -333,6 +333,36 @@ void qarl_quantize_s8_rows_scaled(const float* x, int64_t M, int64_t K, int64_t 
     }
 }
 
+// o[k] = bf16((float)q[k] * s) (bits): an int8 row dequantized as torch's q * s (one rounded
+// fp32 product), then rounded to the nearest bf16, ties to even, as .bfloat16().
+INLINE void dequant_row_bf16(const int8_t* q, float s, int64_t K, uint16_t* o) {
+    const __m256 vs = _mm256_set1_ps(s);
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + k)));
+        __m256 v = round_bf16_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(c), vs));
+        __m128i h = _mm256_castsi256_si128(_mm256_permute4x64_epi64(
+            _mm256_packus_epi32(_mm256_srli_epi32(_mm256_castps_si256(v), 16),
+                                _mm256_setzero_si256()), 0x08));
+        _mm_storeu_si128((__m128i*)(o + k), h);
+    }
+    for (; k < K; k++) {
+        float v = qarl_round_bf16((float)q[k] * s);
+        uint32_t u;
+        memcpy(&u, &v, sizeof u);
+        o[k] = (uint16_t)(u >> 16);
+    }
+}
+
+// A W8A8 weight, codes [N, K] and per-channel scales [N], dequantized into bf16 bits [N, K]:
+// `(codes * scales[:, None]).bfloat16()` bit for bit, in one pass (a bf16 gradient pass's
+// W_hat, once per weight version).
+void qarl_dequant_s8_bf16(const int8_t* codes, const float* scales, int64_t N, int64_t K,
+                          uint16_t* out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (N * K > 32768)
+    for (int64_t n = 0; n < N; n++) dequant_row_bf16(codes + n * K, scales[n], K, out + n * K);
+}
+
 // x_hat = bf16((float)q * s) for each row of x [M, K] (fp32, or bf16 bits when x_bf16; row
 // stride ldx), (q, s) = numerics.int8_rows of the row (of its fp32 values): what
 // `(q.float() * s[:, None]).bfloat16()` gives, bit for bit, in one pass per row without the
@@ -359,23 +389,7 @@ void qarl_qdq_s8_rows_bf16(const void* x, int x_bf16, int64_t M, int64_t K, int6
             }
             float sc;
             qarl_quantize_row_s8(xr, K, q, &sc);
-            uint16_t* o = out + m * ldo;
-            const __m256 vs = _mm256_set1_ps(sc);
-            int64_t k = 0;
-            for (; k + 8 <= K; k += 8) {
-                __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + k)));
-                __m256 v = round_bf16_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(c), vs));
-                __m128i h = _mm256_castsi256_si128(_mm256_permute4x64_epi64(
-                    _mm256_packus_epi32(_mm256_srli_epi32(_mm256_castps_si256(v), 16),
-                                        _mm256_setzero_si256()), 0x08));
-                _mm_storeu_si128((__m128i*)(o + k), h);
-            }
-            for (; k < K; k++) {
-                float v = qarl_round_bf16((float)q[k] * sc);
-                uint32_t u;
-                memcpy(&u, &v, sizeof u);
-                o[k] = (uint16_t)(u >> 16);
-            }
+            dequant_row_bf16(q, sc, K, out + m * ldo);
         }
         free(row);
         free(q);

@@ -247,7 +247,7 @@ class QuantLinear(nn.Module):
         else anew (the backward of a layer whose forward ran on codes keeps no copy)."""
         with torch.inference_mode(False), torch.no_grad():
             full = self._dequantized.get(torch.float32) if qw is self._qweight else None
-            return (self.scheme.dequantize(qw) if full is None else full).to(dtype)
+            return self.scheme.dequantize_to(qw, dtype) if full is None else full.to(dtype)
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., in] -> [..., out]
         qw = self.qweight()

@@ -88,6 +88,11 @@ class Scheme:
     def act_qdq(self, x: Tensor) -> Tensor:  # [M, K] -> [M, K] float32
         raise NotImplementedError(f"{type(self).__name__} must define act_qdq")
 
+    def dequantize_to(self, qw: QWeight, dtype: torch.dtype) -> Tensor:  # -> [N, K] dtype
+        """dequantize(qw).to(dtype), bit for bit: a 16-bit gradient pass's W_hat. A format with
+        a one-pass kernel for it overrides this."""
+        return self.dequantize(qw).to(dtype)
+
     def act_qdq_to(self, x: Tensor, dtype: torch.dtype) -> Tensor:  # [M, K] -> [M, K] dtype
         """act_qdq(x.float()).to(dtype), bit for bit: a 16-bit gradient pass's x_hat. A format
         with a one-pass kernel for it overrides this."""

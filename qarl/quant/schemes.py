@@ -109,6 +109,11 @@ class Int8Scheme(Scheme):
         xq, xs = _int8_rows(x)
         return xq.float() * xs[:, None]
 
+    def dequantize_to(self, qw: QWeight, dtype: torch.dtype) -> Tensor:
+        if dtype == torch.bfloat16 and qw.codes.device.type == "cpu" and K.native_ok(qw.codes.device):
+            return nat.dequant_s8_bf16(qw.codes, qw.scales)  # one pass, no fp32 [N, K] between
+        return super().dequantize_to(qw, dtype)
+
     def act_qdq_to(self, x: Tensor, dtype: torch.dtype) -> Tensor:
         if dtype == torch.bfloat16 and x.device.type == "cpu" and K.native_ok(x.device) \
                 and x.dtype in (torch.float32, torch.bfloat16):

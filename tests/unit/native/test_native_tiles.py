@@ -110,6 +110,21 @@ def test_qdq_to_bf16_equals_the_torch_ops(dtype):
     assert torch.equal(scheme.act_qdq_to(x, torch.float32), scheme.act_qdq(x.float()))
 
 
+def test_weight_dequantized_to_bf16_equals_the_torch_ops():
+    """dequant_s8_bf16 = (codes * scales[:, None]).bfloat16() bit for bit, over widths off the
+    8-lane vectors and scales whose products land on bf16 ties; W8A8's dequantize_to is it."""
+    codes = _codes((37, 1003), 8)
+    scales = _rand((37,), 9).abs() + 0.01
+    scales[0] = 1.0 + 2.0 ** -8  # q * s exactly halfway between bf16 neighbours for odd q
+    want = (codes * scales[:, None]).bfloat16()
+    got = nat.dequant_s8_bf16(codes, scales)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    qw = SCHEMES["w8a8-int8"].quantize(_rand((40, 96), 10))
+    got = SCHEMES["w8a8-int8"].dequantize_to(qw, torch.bfloat16)
+    assert torch.equal(got.view(torch.int16),
+                       SCHEMES["w8a8-int8"].dequantize(qw).bfloat16().view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_token_logp_matches_torch_and_its_gradient(dtype, temperature):

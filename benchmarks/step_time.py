@@ -20,7 +20,8 @@ and ratios, and the means over the rounds.
 An arm is NAME:KEY=VALUE,KEY=VALUE (overrides of the recipe, `--recipe`, default `default`).
 A recipe with SFT steps starts from its warm start, as `qarl train` does (trained first where
 the cache lacks it). Step 1 of each arm is a warm-up (first packs, first pushes) and is left
-out of the means; `contract` is the per-sync digest check's share of `sync`
+out of the means (step 2 still faults the heap's pages in, 2-3 s of system time in its update
+on 2 cores: `--steps 6` dilutes it); `contract` is the per-sync digest check's share of `sync`
 (docs/training.md). `--ignore-eos` (as vLLM's throughput benchmark does) makes every response
 run to `--tokens`: the arms then do the same work per step whatever their policies write, so
 their step ratio is not a ratio of response lengths (the responses' text past the end token is

@@ -60,7 +60,7 @@ class NoneScheme(Scheme):
 @dataclass(frozen=True)
 class Int8Scheme(Scheme):
     """W8A8 int8: symmetric per-channel weights, dynamic symmetric per-token activations.
-    gemm: "auto" (CUDA: int_mm; a CPU with AMX-INT8: native, qarl.native's AMX tiles, 1.1-7x
+    gemm: "auto" (CUDA: int_mm; a CPU with AMX-INT8: native, qarl.native's AMX tiles, 1.1-6.8x
     torch._int_mm at every shape measured; a CPU with VNNI: int_mm, oneDNN's int8 GEMM on those
     instructions; else native if it runs here, else onednn, else sgemm), "native",
     "int_mm", "onednn" or "sgemm"; all give identical int32 accumulators and the same scale
@@ -82,7 +82,7 @@ class Int8Scheme(Scheme):
         if device.type == "cuda":
             return "int_mm"
         if self._amx(device):
-            return "native"  # qarl/native/README.md: at 32 rows 3-4x, at 768 1.1-7x _int_mm
+            return "native"  # qarl/native/README.md: 1.7-4.4x _int_mm at 32 rows, 1.1-6.8x at 768
         if K.onednn_available(device) and has_int8_dot():
             return "int_mm"  # 3-4x qarl.native's AVX2 int8 GEMM at every batch size measured
         if K.native_ok(device):

@@ -38,6 +38,18 @@ INLINE float load1(const void* z, int bf16, int64_t i, float t, int divide) {
     return divide ? v / t : v;
 }
 
+// dz[i] = d, in fp32 or rounded to the nearest bf16 (ties to even)
+INLINE void store1(void* dz, int bf16, int64_t i, float d) {
+    if (bf16) {
+        d = qarl_round_bf16(d);
+        uint32_t u;
+        memcpy(&u, &d, sizeof u);
+        ((uint16_t*)dz)[i] = (uint16_t)(u >> 16);
+    } else {
+        ((float*)dz)[i] = d;
+    }
+}
+
 INLINE float hmax(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -115,28 +127,11 @@ void qarl_token_logp_backward(const void* z, int bf16, int64_t C, int64_t V, int
                 _mm256_storeu_ps((float*)dz + c * ldd + i, d);
             }
         }
-        for (; i < V; i++) {
-            float d = -gc * expf(load1(row, bf16, i, temperature, divide) - logz[c]);
-            if (bf16) {
-                d = qarl_round_bf16(d);
-                uint32_t u;
-                memcpy(&u, &d, sizeof u);
-                ((uint16_t*)dz)[c * ldd + i] = (uint16_t)(u >> 16);
-            } else {
-                ((float*)dz)[c * ldd + i] = d;
-            }
-        }
+        for (; i < V; i++)
+            store1(dz, bf16, c * ldd + i, -gc * expf(load1(row, bf16, i, temperature, divide) - logz[c]));
         // the chosen token's entry, computed afresh: (g / T) (1 - p)
         int64_t y = tokens[c];
         float p = expf(load1(row, bf16, y, temperature, divide) - logz[c]);
-        float d = gc * (1.f - p);
-        if (bf16) {
-            d = qarl_round_bf16(d);
-            uint32_t u;
-            memcpy(&u, &d, sizeof u);
-            ((uint16_t*)dz)[c * ldd + y] = (uint16_t)(u >> 16);
-        } else {
-            ((float*)dz)[c * ldd + y] = d;
-        }
+        store1(dz, bf16, c * ldd + y, gc * (1.f - p));
     }
 }

@@ -53,8 +53,9 @@ def test_forward_values_are_the_gradient_pass_values(tmp_path, align, scheme):
     """The learner's replay is a ForwardScorer: its values are those the fp32 gradient pass
     computes on each micro-batch (so at the first optimizer step logp's value and the function
     its gradient comes from agree to the bit, and a later step may read its own forward's:
-    `ForwardScorer.is_gradient_pass`), for every format, the same on every call, and within
-    fp32 summation order of the decode path's (measured <= 1e-6 nats; where the GEMM library
+    `ForwardScorer.is_gradient_pass`), for every format, the same on every call, and, where no
+    int8 / fp8 activation rows can round a step apart, within fp32 summation order of the
+    decode path's (measured <= 1e-6 nats; elsewhere within a few rounding steps; where the GEMM library
     sums in the decode path's order, MKL on tiny's shapes, the W4A16 formats, with no
     activation quantizer to turn a last-bit difference into a rounding step, agree to the
     bit)."""
@@ -72,11 +73,14 @@ def test_forward_values_are_the_gradient_pass_values(tmp_path, align, scheme):
     mask = batch.response_mask
     assert routing is None and values.shape == mask.shape and not values.requires_grad
     assert torch.equal(values, again) and torch.equal(values, fast.detach())
-    assert (values[mask] - decode[mask]).abs().max() <= 1e-5  # summation order: <= 1e-6 measured
     # Other shapes, other fp32 rounding: ~1e-6 here (5e-7 naive, 2e-6 fake on a Zen 4). A
-    # fake learner's int8 activation quantizers can turn such a difference into a whole
-    # rounding step on some row (smollm2: ~0.1 nats mean, docs/alignment.md), hence its bound.
+    # fake learner's int8 / fp8 activation quantizers can turn such a difference into a whole
+    # rounding step on some row (smollm2: ~0.1 nats mean, docs/alignment.md), hence its bound:
+    # on one warm start of tiny, w8a8-int8 and w8a8-fp8-block differed by 3e-4 nats on 7 of 23
+    # tokens (on the AMX Xeon, the same with the code of 4ea3fb3), where others give ~1e-6.
     apart = float((values - decode)[mask].abs().max())
+    if align == "naive" or SCHEMES[scheme].name.startswith("w4a16"):  # no int8 / fp8 rows
+        assert apart <= 1e-5, apart  # summation order: <= 1e-6 measured
     assert apart < (1e-4 if align == "naive" else 0.05), apart
 
 

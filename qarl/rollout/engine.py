@@ -30,7 +30,7 @@ from torch import Tensor
 from qarl.model.cache import KVCache
 from qarl.model.decoder import CausalLM, positions_from_mask
 from qarl.quant import load_state, quant_layers
-from qarl.quant.contract import engine_digests
+from qarl.quant.digests import engine_digests
 from qarl.rollout.plan import DecodePlan, DecodePlanner
 from qarl.rollout.routing import RoutingTable
 from qarl.rollout.sampling import row_uniforms, sample, sampler_logprobs

@@ -90,8 +90,8 @@ class Engine(Protocol):
 
     def weight_digests(self) -> list[dict[str, tuple[int, ...]]]:
         """Per replica of the policy the engine samples with (one, or one per Ray actor): the
-        digests of what it holds, keyed like `qarl.quant.contract.state_digests` of the last
-        state it installed (`qarl.quant.contract.engine_digests`): the weight sync compares
+        digests of what it holds, keyed like `qarl.quant.digests.state_digests` of the last
+        state it installed (`qarl.quant.digests.engine_digests`): the weight sync compares
         them with the learner's after every push (the quantization contract)."""
         ...
 

@@ -259,7 +259,7 @@ class VLLMEngine:
         the copy's; a part that differs gets the digest -1, so the check names it). What
         cannot be read back (codes inside oneDNN's handles, other formats' repacked
         operands) shows in the mismatch budget instead."""
-        from qarl.quant.contract import CODES_SUFFIX, engine_digests
+        from qarl.quant.digests import CODES_SUFFIX, engine_digests
 
         digests = engine_digests(self.model)
         for layer, (same_codes, same_scales) in int8_readback(self.llm, self.model).items():

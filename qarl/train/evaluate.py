@@ -79,7 +79,7 @@ def eval_key(engine: LocalEngine, prompt_ids: list[list[int]], sampling: Samplin
     seed, the task (its reward and grammar), qarl's code and the machine (ISA, threads, torch)."""
     from qarl.native import machine
     from qarl.quant.apply import quant_layers
-    from qarl.quant.contract import CODES_SUFFIX
+    from qarl.quant.digests import CODES_SUFFIX
 
     held = engine.weight_digests()[0]
     # a quantized layer decodes with its codes: a master weight it still holds (a naive

@@ -25,9 +25,8 @@ import torch
 
 from qarl.config import QuantSection
 from qarl.quant import QWeight, export_state
-from qarl.quant.contract import (
-    ContractBroken, LayerRow, digest_mismatches, layer_table, state_digests,
-)
+from qarl.quant.contract import ContractBroken, LayerRow, layer_table
+from qarl.quant.digests import digest_mismatches, state_digests
 
 
 class WeightSync:

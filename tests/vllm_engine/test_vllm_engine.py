@@ -307,9 +307,8 @@ def test_weight_digests_follow_each_push(int8):
     """The vLLM engine's digests (of the copy whose tensors every push hands to vLLM) equal the
     pushed state's after each push, and name exactly the layers a push changed against the
     previous state; the contract's layer table of the fake learner and this engine is clean."""
-    from qarl.quant.contract import (
-        check_table, digest_mismatches, layer_table, state_digests,
-    )
+    from qarl.quant.contract import check_table, layer_table
+    from qarl.quant.digests import digest_mismatches, state_digests
 
     served, _, fake = int8
     original, changed = export_state(fake.model), _changed_state(fake.model)
@@ -333,7 +332,7 @@ def test_weight_digests_read_vllm_int8_layers_back(int8):
     CPU: the per-channel scales; the codes live in oneDNN's handle): every readable part
     equals the qarl copy's; one scale changed inside vLLM's down_proj of layer 0 (the copy
     untouched) is named with its part; undone, the digests are clean again."""
-    from qarl.quant.contract import digest_mismatches, state_digests
+    from qarl.quant.digests import digest_mismatches, state_digests
     from qarl.rollout.vllm_weights import int8_readback, served_model
 
     served, _, fake = int8

@@ -12,9 +12,8 @@ import torch
 from qarl.config import QuantSection
 from qarl.model import CausalLM, ModelConfig
 from qarl.quant import QuantLinear, export_state, quant_layers, quantize_model, release_masters
-from qarl.quant.contract import (
-    ContractBroken, check_table, digest_mismatches, engine_digests, layer_table, state_digests,
-)
+from qarl.quant.contract import ContractBroken, check_table, layer_table
+from qarl.quant.digests import digest_mismatches, engine_digests, state_digests
 from qarl.rollout import LocalEngine
 from qarl.train.sync import WeightSync
 

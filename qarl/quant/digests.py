@@ -1,0 +1,111 @@
+"""Per-tensor digests: whether an engine holds exactly what a weight sync sent it.
+
+`state_digests(state)`: per pushed name, a CRC-32 of each part of what a weight sync sends
+(a QWeight: codes, scales, zeros, global scale, layout; a tensor: its bytes); engines compute
+the same of what they hold (`engine_digests`, behind `Engine.weight_digests`), and
+`digest_mismatches` names every layer whose parts differ: a dropped, stale or altered layer
+after a sync. Each storage is hashed once (a tied lm_head is the embedding), on torch's
+threads (zlib releases the GIL); an accidental collision has probability 2^-32 per part.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch import Tensor, nn
+
+from qarl.quant.apply import quant_layers
+from qarl.quant.qweight import QWeight
+
+QWEIGHT_PARTS = ("codes", "scales", "zeros", "global_scale", "layout")
+CODES_SUFFIX = ":codes"  # an engine layer's codes next to its master weight (see engine_digests)
+
+
+def tensor_crc(t: Tensor) -> int:
+    """CRC-32 of a tensor's bytes (any dtype, any device: copied to the CPU when needed)."""
+    t = t.detach().reshape(-1)
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return zlib.crc32(t.contiguous().view(torch.uint8).numpy())
+
+
+def _crcs(tensors: list[Tensor | None]) -> list[int]:
+    """tensor_crc of each (0 for None), each storage view once (a tied lm_head is the
+    embedding), on torch's thread count: zlib releases the GIL while it hashes."""
+    keys = [None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+            for t in tensors]
+    unique = {k: t for k, t in zip(keys, tensors) if k is not None}
+    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        crcs = dict(zip(unique, pool.map(tensor_crc, unique.values())))
+    return [0 if k is None else crcs[k] for k in keys]
+
+
+def _parts(value: Tensor | QWeight) -> list[Tensor | None]:
+    if isinstance(value, QWeight):
+        return [value.codes, value.scales, value.zeros, value.global_scale]
+    return [value]
+
+
+def _digests(entries: dict[str, Tensor | QWeight]) -> dict[str, tuple[int, ...]]:
+    """{key: one CRC per part (QWEIGHT_PARTS for a QWeight, its layout's last; one for a
+    tensor)}, every tensor hashed in one pass."""
+    parts = {k: _parts(v) for k, v in entries.items()}
+    flat = _crcs([t for p in parts.values() for t in p])
+    out, i = {}, 0
+    for key, value in entries.items():
+        n = len(parts[key])
+        crcs = tuple(flat[i:i + n])
+        i += n
+        if isinstance(value, QWeight):
+            layout = f"{value.scheme}|{value.shape}|{value.group_size}|{value.symmetric}"
+            crcs = (*crcs, zlib.crc32(layout.encode()))
+        out[key] = crcs
+    return out
+
+
+def state_digests(state: Mapping[str, Tensor | QWeight]) -> dict[str, tuple[int, ...]]:
+    """What the engine must hold after installing `state` (an `export_state`), per name; a
+    QWeight is keyed `<name>:codes`, as `engine_digests` keys what a layer decodes with."""
+    return _digests({(k + CODES_SUFFIX if isinstance(v, QWeight) else k): v
+                     for k, v in state.items()})
+
+
+def engine_digests(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The digests of what an engine model holds, keyed like `state_digests`: every parameter
+    and persistent buffer by its name (a quantized layer's master weight only while it has
+    one), and each QuantLinear's codes and scales, the ones it decodes with, as
+    `<layer>.weight:codes`."""
+    layers = quant_layers(model)
+    held: dict[str, Tensor | QWeight] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        owner, _, leaf = key.rpartition(".")
+        if owner in layers and leaf == "weight":
+            layer = layers[owner]
+            held[key + CODES_SUFFIX] = layer.qweight()
+            if layer.released:
+                continue
+        held[key] = value
+    return _digests(held)
+
+
+def digest_mismatches(expected: Mapping[str, tuple[int, ...]],
+                      held: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """`name (parts)` for every expected entry the engine lacks or holds otherwise."""
+    out = []
+    for key, want in expected.items():
+        have = held.get(key)
+        if have == want:
+            continue
+        quantized = key.endswith(CODES_SUFFIX)
+        name = key.removesuffix(CODES_SUFFIX).removesuffix(".weight") if quantized else key
+        if have is None:
+            what = "missing"
+        elif quantized:
+            what = ", ".join(p for p, a, b in zip(QWEIGHT_PARTS, want, have) if a != b)
+        else:
+            what = "values"
+        out.append(f"{name} ({what})")
+    return out

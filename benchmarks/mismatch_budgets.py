@@ -1,4 +1,4 @@
-"""Measure the mismatch budgets (qarl/quant/budgets.py) and write qarl/quant/budgets.json.
+"""Measure the mismatch budgets (qarl/train/budgets.py) and write qarl/train/budgets.json.
 
 For each model and each scheme the engine serves, `qarl parity`'s decode-replay rows under
 `fake` and `naive` alignment give the mean per-token |old_logp - rollout_logp| of a fresh
@@ -9,7 +9,7 @@ budget is 0 by construction and not measured here. Budgets are per engine as `qa
 labels it: "local", or vLLM with its dtype ("vllm float32"); `--engine vllm` runs in the
 vLLM environment (`make test-vllm` creates it) and adds its budgets to the file. Prints the
 table as JSON; --write writes it (with the machine it was measured on) to
-qarl/quant/budgets.json.
+qarl/train/budgets.json.
 
     .venv/bin/python benchmarks/mismatch_budgets.py --write          # tiny + SmolLM2, ~5 min
     .venv-vllm/bin/python benchmarks/mismatch_budgets.py --engine vllm --write
@@ -30,7 +30,7 @@ import json
 from pathlib import Path
 
 from qarl.native import machine
-from qarl.quant.budgets import BUDGETS_FILE
+from qarl.train.budgets import BUDGETS_FILE
 
 
 def measure(model: str, engine: str, max_new_tokens: int) -> list[dict]:
@@ -65,7 +65,7 @@ def check(paths: list[str]) -> int:
     """The largest mismatch of every run under `paths` against its budget (module docstring)."""
     from qarl.config import load_config
     from qarl.model import load_skeleton
-    from qarl.quant.budgets import mismatch_budget
+    from qarl.train.budgets import mismatch_budget
     from qarl.train.setup import replay_is_exact
 
     checkpoint = ("step_", ".tmp_step_", "damaged_step_")  # a checkpoint's copy of the files

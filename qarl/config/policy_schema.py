@@ -90,7 +90,7 @@ class QuantSection(BaseModel):
     over_budget: Literal["flag", "stop"] = Field(
         "flag",
         description="A step whose learner-vs-sampler mismatch exceeds the measured budget of "
-        "its (scheme, align, engine) (qarl/quant/budgets.json): 'flag' marks it "
+        "its (scheme, align, engine) (qarl/train/budgets.json): 'flag' marks it "
         "(contract/over_budget) and logs it; 'stop' ends the run before that step's update.",
     )
     routing_replay: bool = Field(False, description="MoE models: the learner uses the experts the "

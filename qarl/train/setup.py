@@ -39,7 +39,7 @@ from qarl.quant.lora import attach_lora, lora_names
 from qarl.rollout import ENGINES, Engine, LocalEngine
 from qarl.tasks import Example, RewardRunner, Task, make_task
 from qarl.train.audit import ReplayAudit
-from qarl.train.contract import RunContract
+from qarl.train.budgets import RunContract
 from qarl.train.learner import AlignedLearner, Learner
 from qarl.train.logprobs import ForwardScorer
 from qarl.train.optim import build_optimizer
@@ -110,7 +110,7 @@ class Policy:
     sync: WeightSync  # learner -> engine weight push
     quantized: bool  # False when the scheme is the identity (full-precision rollouts)
     audit: ReplayAudit  # how old_logp is computed: a replay, or an audit of one (train/audit.py)
-    contract: RunContract  # the quantization contract: layer table, budget (train/contract.py)
+    contract: RunContract  # the quantization contract: layer table, budget (train/budgets.py)
 
     @property
     def device(self) -> torch.device:

@@ -23,7 +23,7 @@ from qarl.config import RunConfig, load_config, to_toml
 from qarl.native.memory import tune_allocator
 from qarl.quant.contract import ContractBroken
 from qarl.train import checkpoint
-from qarl.train.contract import OverBudget
+from qarl.train.budgets import OverBudget
 from qarl.train.evaluate import evaluate
 from qarl.train.guards import (
     BadStepGuard, NonFiniteWeights, RunStopped, TrainingAborted, is_out_of_memory,

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from qarl.quant import quant_layers
-from qarl.quant.budgets import Budget
+from qarl.train.budgets import Budget
 from qarl.rollout import LocalEngine
 from qarl.train import setup, trainer
 from qarl.train.guards import TrainingAborted
@@ -84,7 +84,7 @@ def test_a_layer_full_precision_on_the_engine_stops_before_step_1(tmp_path, monk
 
 def _tight_budget(monkeypatch):
     tight = Budget("w4a16-int4 fake (local engine)", "mismatch/abs_diff_mean", 1e-9, "planted")
-    monkeypatch.setattr("qarl.train.contract.mismatch_budget", lambda *a, **k: tight)
+    monkeypatch.setattr("qarl.train.budgets.mismatch_budget", lambda *a, **k: tight)
 
 
 def test_an_over_budget_step_is_flagged_and_can_stop_the_run(tmp_path, monkeypatch, capsys):

@@ -1,4 +1,4 @@
-"""Mismatch budgets (qarl/quant/budgets.py): what each setup's budget is and when it flags."""
+"""Mismatch budgets (qarl/train/budgets.py): what each setup's budget is and when it flags."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import math
 
 from qarl.quant import SCHEMES
-from qarl.quant.budgets import BUDGETS_FILE, mismatch_budget
+from qarl.train.budgets import BUDGETS_FILE, mismatch_budget
 
 
 def test_exact_setups_have_a_budget_of_zero_on_the_largest_difference():

@@ -39,12 +39,12 @@ def forward_logp_is_inexact_mode(train, quant) -> list[Problem]:
 
 def codes_backward_has_codes(train, quant) -> list[Problem]:
     """train.quant_backward = 'codes' only for a format with a backward on codes
-    (`Scheme.backward_on_codes`) in a quantized learner (fake or kernel alignment)."""
+    (`Scheme.codes_pass`) in a quantized learner (fake or kernel alignment)."""
     scheme = SCHEMES.get(quant.scheme)
     if train.quant_backward != "codes" or scheme is None:
         return []
-    if not scheme.backward_on_codes:
-        having = sorted(n for n, s in SCHEMES.items() if s.backward_on_codes)
+    if scheme.codes_pass() is None:
+        having = sorted(n for n, s in SCHEMES.items() if s.codes_pass() is not None)
         return [Problem("train.quant_backward", f"'codes' with quant.scheme = {quant.scheme!r}, "
                         f"which has no backward on codes; it needs one of {having}. Use "
                         "'float' or 'auto'")]

@@ -16,8 +16,8 @@ Backward (both modes) is the straight-through estimator: quantizers count as ide
 so with x_hat = act_qdq(x) and W_hat = dequantize(quantize(W)):
     dL/dx = g W_hat,   dL/dW = g^T x_hat,   dL/db = sum_rows g
 i.e. the gradient of F.linear(x_hat, W_hat) w.r.t. W_hat lands on the master weight W.
-Where the kernel runs on activation codes computed outside it (`Scheme.act_codes`: W8A8 at
-16+ rows through torch._int_mm, i.e. CUDA and CPUs with VNNI or AMX-INT8), the layer keeps
+Where the kernel runs on activation codes computed outside it (`CodesPass.forward_codes`: W8A8
+at 16+ rows through torch._int_mm, i.e. CUDA and CPUs with VNNI or AMX-INT8), the layer keeps
 those codes instead of x and builds x_hat from them: the same x_hat, without a second
 quantization, in a quarter of the memory; where qarl.native's kernel quantizes inside (an
 AVX2-only CPU) it keeps x. Either way a layer whose gradient forward runs the kernel never
@@ -25,8 +25,9 @@ reads W_hat there and holds none: its backward makes it, one layer at a time.
 
 With `backward = "codes"` (recipe train.quant_backward) the backward multiplies on codes
 instead: dL/dx on the weight's int8 codes with g quantized per row where the format has it
-(`Scheme.grad_input_codes`: no W_hat at all), dL/dW on the activation codes the forward kept
-(`Scheme.grad_weight_codes`; a W4A16 layer keeps bf16(x), its kernel's input). qarl/quant/README.md.
+(`CodesPass.grad_input`: no W_hat at all), dL/dW on the activation codes the forward kept
+(`CodesPass.grad_weight`; a W4A16 layer keeps bf16(x), its kernel's input): the format's
+optional capability, `Scheme.codes_pass()` (qarl/quant/codes.py).
 
 Weights are quantized once per weight version: the cache key is (data_ptr, _version) of the
 master weight, which every in-place optimizer update, `copy_` or `.to()` changes. Decoding
@@ -86,7 +87,7 @@ class _STELinear(torch.autograd.Function):
         # backward's compute dtype, or a function that makes it there (a layer whose forward
         # runs on codes: its dequantized weight exists one layer at a time in the backward,
         # not for every layer through the step); act: what x_hat_fn(*act) builds x_hat from,
-        # (x,) or the activation codes the forward's kernel ran on (Scheme.act_codes);
+        # (x,) or the activation codes the forward's kernel ran on (CodesPass);
         # on_codes: (g -> dL/dx or None, (g, act) -> dL/dW or None), the products the backward
         # takes on codes (QuantLinear.backward "codes"; w_hat is None where dL/dx is one)
         ctx.grad_x_fn, ctx.grad_w_fn = on_codes
@@ -130,6 +131,7 @@ class QuantLinear(nn.Module):
         self.weight = weight  # the master weight; kept as the same Parameter (ties survive)
         self.bias = bias
         self.scheme = make_scheme(scheme)
+        self.codes_pass = self.scheme.codes_pass()  # None: no gradient pass on codes
         self.mode = check_mode(mode)
         self._qweight: QWeight | None = None
         self._qweight_key: tuple | None = None
@@ -138,7 +140,7 @@ class QuantLinear(nn.Module):
         # What the straight-through backward multiplies (BACKWARDS; a learner's layers get
         # train.quant_backward resolved): "float", g with W_hat and x_hat in the compute
         # dtype; "codes", g with the weight's and the forward's activation codes
-        # (Scheme.grad_input_codes, Scheme.grad_weight_codes)
+        # (`codes_pass`: qarl.quant.codes)
         self.backward = "float"
         self.quantize_count = 0  # how many times this layer quantized its master weight
         self.released = False  # the master weight's storage is gone (release_master)
@@ -270,31 +272,31 @@ class QuantLinear(nn.Module):
         elif compute != torch.float32 and not on_kernel and self.backward == "float":
             y = self._fake_lowp(x, x2, compute)
         else:
-            codes = self.scheme.act_codes(x2.detach().float()) if on_kernel else None
-            on_codes = self.backward == "codes"
+            cp = self.codes_pass
+            codes = cp.forward_codes(x2.detach().float()) if on_kernel and cp is not None else None
+            on_codes = self.backward == "codes" and cp is not None
             # what the backward keeps of x: the codes the kernel ran on, else (backward on
             # codes) the format's own form of x_hat where it has one, else x itself (often
             # the tensor the layer beside keeps too)
-            kept = (codes if codes is not None or not on_codes
-                    else self.scheme.backward_codes(x2.detach().float()))
+            kept = codes if codes is not None or not on_codes else cp.keep(x2.detach().float())
             if kept is None:
                 act, x_hat_fn = (x2,), lambda t: self.scheme.act_qdq(t.float())
             else:  # 4x (int8) or 2x (bf16) smaller than x
-                act, x_hat_fn = kept, lambda *c: self.scheme.act_from_codes(c)
+                act, x_hat_fn = kept, lambda *c: cp.x_hat(c)
             if codes is not None:  # the kernel runs on the codes
-                fn = lambda t: run_rows(lambda _: self.scheme.matmul_codes(codes, qw), t,  # noqa: E731
+                fn = lambda t: run_rows(lambda _: cp.matmul(codes, qw), t,  # noqa: E731
                                         self.bias, self.out_features)
             elif kept is not None and not on_kernel:
-                # the fake forward on the kept codes: act_from_codes(kept) == act_qdq(x) bit
-                # for bit, one quantization of x, not two
-                fn = lambda t: self._fake(t, self.scheme.act_from_codes(kept))  # noqa: E731
+                # the fake forward on the kept codes: x_hat(kept) == act_qdq(x) bit for bit,
+                # one quantization of x, not two
+                fn = lambda t: self._fake(t, cp.x_hat(kept))  # noqa: E731
             # the backward on codes: dL/dx on the weight's codes where the format has it,
             # dL/dW on the kept activation codes
             grad_x_fn = grad_w_fn = None
-            if on_codes and self.scheme.grad_input_on_codes:
-                grad_x_fn = lambda g: self.scheme.grad_input_codes(g, qw)  # noqa: E731
+            if on_codes and cp.grad_input_on_codes:
+                grad_x_fn = lambda g: cp.grad_input(g, qw)  # noqa: E731
             if on_codes and kept is not None:
-                grad_w_fn = self.scheme.grad_weight_codes
+                grad_w_fn = cp.grad_weight
             # W_hat, for a float dL/dx: on the kernel the forward never reads it, so the
             # backward makes it, one layer at a time; the fake forward reads it, cached per
             # weight version

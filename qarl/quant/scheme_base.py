@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from qarl import native as nat
-from qarl.native.isa import has_bf16_math
 from qarl.quant import kernels as K
+from qarl.quant.codes import CodesPass
 from qarl.quant.qweight import QWeight
 
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -146,46 +146,10 @@ class Scheme:
             found = qw.prepared[key] = build()
         return found
 
-    def act_codes(self, x: Tensor) -> tuple[Tensor, ...] | None:
-        """The gradient pass's activation codes of x [M, K] float32, where the kernel runs on
-        codes computed outside it (`matmul_codes`): the straight-through backward then builds
-        x_hat from them (`act_from_codes`) instead of quantizing x again, and keeps the codes
-        instead of x. None (the default): the kernel quantizes inside, or the format has no
-        such split."""
+    def codes_pass(self) -> CodesPass | None:
+        """The format's gradient pass on codes (qarl.quant.codes), or None: a learner's layers
+        keep x and multiply their backward in float."""
         return None
-
-    def matmul_codes(self, codes: tuple[Tensor, ...], qw: QWeight) -> Tensor:  # -> [M, N]
-        raise NotImplementedError(f"{type(self).__name__} has no activation codes")
-
-    def act_from_codes(self, codes: tuple[Tensor, ...]) -> Tensor:  # -> [M, K] = act_qdq(x)
-        raise NotImplementedError(f"{type(self).__name__} has no activation codes")
-
-    # The straight-through backward on codes (QuantLinear.backward "codes", recipe
-    # train.quant_backward): a format with `backward_on_codes` multiplies dL/dW on the
-    # activations in the form its kernel takes them (`grad_weight_codes`: the codes of
-    # `act_codes` where the forward ran on them, else `backward_codes`), and with
-    # `grad_input_on_codes` dL/dx on the weight's codes too (`grad_input_codes`).
-    backward_on_codes = False
-    grad_input_on_codes = False
-
-    def prefers_backward_on_codes(self, device: torch.device) -> bool:
-        """Whether train.quant_backward = 'auto' multiplies on the codes on `device` (an fp32
-        gradient pass in kernel alignment): where their GEMM is the faster one."""
-        return False
-
-    def backward_codes(self, x: Tensor) -> tuple[Tensor, ...] | None:
-        """What a layer keeps of x [M, K] float32 for `grad_weight_codes` where its forward
-        ran on no codes (`act_codes` gave none); None: it keeps x (the float dL/dW)."""
-        return None
-
-    def grad_input_codes(self, g: Tensor, qw: QWeight) -> Tensor:  # -> [M, K] float32
-        """dL/dx = g W_hat for g [M, N] float32, multiplied on the weight's codes."""
-        raise NotImplementedError(f"{type(self).__name__} has no dL/dx on codes")
-
-    def grad_weight_codes(self, g: Tensor, codes: tuple[Tensor, ...]) -> Tensor:  # -> [N, K]
-        """dL/dW = g^T x_hat for g [M, N] float32, multiplied on the activation codes kept
-        by the forward (`act_codes` or `backward_codes`)."""
-        raise NotImplementedError(f"{type(self).__name__} has no backward on codes")
 
     def kernel_for_gradients(self, device: torch.device,
                              compute: torch.dtype = torch.float32) -> bool:
@@ -248,15 +212,3 @@ class Scheme:
     def matches(self, qw: QWeight) -> bool:
         return qw.scheme == self.name
 
-
-def bf16_fast(device: torch.device) -> bool:
-    """A bf16 GEMM runs faster than fp32 on `device`: CUDA, or a CPU with bf16 arithmetic."""
-    return device.type == "cuda" or (device.type == "cpu" and has_bf16_math())
-
-
-def codes_gemm(g: Tensor, codes: Tensor) -> Tensor:
-    """g^T codes [N, K] float32 for g [M, N] float32 and activation codes [M, K] that bf16
-    holds exactly (int8 codes, bf16 activations): in bf16 where `bf16_fast` (g's rounding is
-    the one approximation), else fp32 (exact operands)."""
-    dtype = torch.bfloat16 if bf16_fast(g.device) else torch.float32
-    return K.learner_mm(g.to(dtype).t(), codes.to(dtype)).float()

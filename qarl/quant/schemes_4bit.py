@@ -9,37 +9,15 @@ import torch
 from torch import Tensor
 
 from qarl import native as nat
-from qarl.native.isa import has_bf16_math
 from qarl.quant import kernels as K
 from qarl.quant import numerics as nm
 from qarl.quant.qweight import QWeight
-from qarl.quant.scheme_base import Scheme, codes_gemm
-
-
-class Bf16ActivationBackward:
-    """The backward on codes of a format whose kernel takes its activations rounded to bf16
-    (W4A16): the layer keeps x_hat = bf16(x) itself, in half of x's bytes, and dL/dW is a
-    bf16 GEMM of g with it where the CPU has bf16 arithmetic (the exact operand: g's bf16
-    rounding is the one approximation); dL/dx stays the float product with W_hat, whose
-    group scales vary along both of its dimensions."""
-
-    backward_on_codes = True
-
-    def prefers_backward_on_codes(self, device: torch.device) -> bool:
-        return device.type == "cpu" and has_bf16_math()
-
-    def backward_codes(self, x: Tensor) -> tuple[Tensor]:
-        return (x.bfloat16(),)
-
-    def act_from_codes(self, codes: tuple[Tensor]) -> Tensor:
-        return codes[0].float()  # = act_qdq(x) bit for bit
-
-    def grad_weight_codes(self, g: Tensor, codes: tuple[Tensor]) -> Tensor:
-        return codes_gemm(g.float(), codes[0])
+from qarl.quant.codes import Bf16ActivationCodes
+from qarl.quant.scheme_base import Scheme
 
 
 @dataclass(frozen=True)
-class Int4Scheme(Bf16ActivationBackward, Scheme):
+class Int4Scheme(Scheme):
     """W4A16 int4: weights in groups of `group_size` along K, symmetric or with bf16 zeros;
     activations rounded to bf16. gemm: "auto" (CPU: native if it runs here, else int4pack),
     "native" (fp32 output, exactly the fp32 chain on the dequantized weight) or "int4pack"
@@ -91,6 +69,9 @@ class Int4Scheme(Bf16ActivationBackward, Scheme):
 
     def act_qdq(self, x: Tensor) -> Tensor:
         return x.bfloat16().float()
+
+    def codes_pass(self) -> Bf16ActivationCodes | None:
+        return Bf16ActivationCodes()
 
     def uses_native(self, device: torch.device) -> bool:
         if self.gemm == "native" and not K.native_ok(device):
@@ -154,13 +135,9 @@ class W4A8Scheme(Int4Scheme):
 
     name = "w4a8-int"
     native_kind = nat.GemmKind.U4_S8
-    backward_on_codes = False  # its activations are int8 rows, not bf16
 
-    def prefers_backward_on_codes(self, device: torch.device) -> bool:
-        return False
-
-    def backward_codes(self, x: Tensor) -> None:
-        return None
+    def codes_pass(self) -> None:
+        return None  # its activations are int8 rows, not bf16: the float backward
 
     def act_qdq(self, x: Tensor) -> Tensor:
         xq, xs = nm.int8_rows(x)
@@ -197,7 +174,7 @@ class W4A8Scheme(Int4Scheme):
 
 
 @dataclass(frozen=True)
-class Nvfp4Scheme(Bf16ActivationBackward, Scheme):
+class Nvfp4Scheme(Scheme):
     """W4A16 NVFP4: E2M1 values, E4M3 scale per 16, fp32 global scale; bf16 activations.
     QWeight: codes [N, K/2] uint8 (two FP4 E2M1 nibbles, low first); scales [N, K/16]
     float8_e4m3fn; global_scale [] float32. Not row-separable: one global scale per tensor,
@@ -217,6 +194,9 @@ class Nvfp4Scheme(Bf16ActivationBackward, Scheme):
 
     def act_qdq(self, x: Tensor) -> Tensor:
         return x.bfloat16().float()
+
+    def codes_pass(self) -> Bf16ActivationCodes:
+        return Bf16ActivationCodes()
 
     def matmul(self, x: Tensor, qw: QWeight) -> Tensor:
         return self.float_gemm(self.act_qdq(x), qw, lambda: self.dequantize(qw))

@@ -28,7 +28,7 @@ from qarl.native.isa import has_amx_bf16, has_bf16_math
 from qarl.quant import SCHEMES, QuantLinear
 from qarl.quant import kernels as K
 from qarl.quant.linear import BACKWARDS
-from qarl.quant.scheme_base import bf16_fast
+from qarl.quant.codes import bf16_fast
 
 
 def resolve_compute_dtype(requested: str, device: torch.device) -> torch.dtype:
@@ -46,16 +46,16 @@ def resolve_compute_dtype(requested: str, device: torch.device) -> torch.dtype:
 def resolve_quant_backward(requested: str, scheme: str, align: str, device: torch.device,
                            compute: torch.dtype) -> str:
     """train.quant_backward as a QuantLinear.backward: 'auto' is 'codes' where the format's
-    products on codes are the faster ones on `device` (`Scheme.prefers_backward_on_codes`:
+    products on codes are the faster ones on `device` (`CodesPass.prefers`:
     int8 on VNNI / AMX-INT8, W4A16's bf16 activations on a CPU with bf16 arithmetic) in a
     kernel-aligned learner with an fp32 gradient pass, 'float' elsewhere (a bf16 pass, the
     default on AMX CPUs and CUDA, already multiplies in bf16, faster than oneDNN's int8 GEMM
     there)."""
     if requested != "auto":
         return requested
-    fmt = SCHEMES[scheme]
-    codes = (align == "kernel" and compute == torch.float32 and fmt.backward_on_codes
-             and fmt.prefers_backward_on_codes(device))
+    codes_pass = SCHEMES[scheme].codes_pass()
+    codes = (align == "kernel" and compute == torch.float32 and codes_pass is not None
+             and codes_pass.prefers(device))
     return "codes" if codes else "float"
 
 
@@ -81,7 +81,7 @@ def describe_quant_backward(backward: str, requested: str, scheme: str,
     """The run's start line's part on the quantized layers' backward."""
     if backward == "codes":
         grad_w = "bf16" if bf16_fast(device) else "fp32"
-        grad_x = ("dL/dx by an int8 GEMM" if SCHEMES[scheme].grad_input_on_codes
+        grad_x = ("dL/dx by an int8 GEMM" if SCHEMES[scheme].codes_pass().grad_input_on_codes
                   else "dL/dx in float")
         what = f"on codes ({grad_x}, dL/dW in {grad_w} on the activations' codes)"
     else:

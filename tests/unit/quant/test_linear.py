@@ -175,7 +175,7 @@ def test_int8_gradient_pass_keeps_no_dequantized_weight(gemm):
     through the step), and the gradients are those of x_hat = act_qdq(x) and W_hat (the same
     straight-through gradient as the re-quantizing path, bit for bit)."""
     from qarl.quant import kernels as K
-    from qarl.quant.schemes import Int8Scheme
+    from qarl.quant.schemes_8bit import Int8Scheme
 
     if gemm == "native" and not K.native_ok(torch.device("cpu")):
         pytest.skip("qarl.native is not built here")
@@ -191,7 +191,7 @@ def test_int8_gradient_pass_keeps_no_dequantized_weight(gemm):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = layer(x)
-    if layer.scheme.act_codes(x.detach()) is not None:
+    if layer.codes_pass.forward_codes(x.detach()) is not None:
         assert (torch.int8, (40, 256)) in saved and (torch.float32, (40, 256)) not in saved
     else:
         assert layer.scheme.method(x.device) == "native"
@@ -209,9 +209,9 @@ def test_int8_gradient_pass_keeps_no_dequantized_weight(gemm):
 def _codes_reference(layer: QuantLinear, x: torch.Tensor, g: torch.Tensor):
     """dL/dx and dL/dW of the backward on codes, computed from their definition with exact
     integer products: g' = g s_w quantized per row, times the weight codes; g s_x times the
-    activation codes, in the dtype `Int8Scheme.grad_weight_codes` picks."""
+    activation codes, in the dtype `Int8Codes.grad_weight` picks."""
     from qarl.quant import numerics as nm
-    from qarl.quant.scheme_base import bf16_fast
+    from qarl.quant.codes import bf16_fast
 
     qw = layer.qweight()
     gq, gs = nm.int8_rows(g * qw.scales)
@@ -230,7 +230,7 @@ def test_backward_on_codes_of_bf16_activations(name, mode):
     multiplies dL/dW on it, in bf16 where the CPU has bf16 arithmetic (the exact operand:
     g's rounding only, bound 0.5% of the norm), fp32 else (then the float backward's bits);
     the forward and dL/dx are the float backward's, bit for bit."""
-    from qarl.quant.scheme_base import bf16_fast
+    from qarl.quant.codes import bf16_fast
 
     layers = [_layer(name, mode) for _ in range(2)]
     layers[1].backward = "codes"
@@ -270,7 +270,7 @@ def test_backward_on_codes_is_switchback_with_the_forward_unchanged(gemm):
     |g' s_w| per element, which for Gaussian rows of 96 is ~0.8% of the norm (bound 2%);
     dL/dW within bf16 rounding of g s_x (2^-9 relative per element: bound 0.5%). No
     dequantized weight is made or kept."""
-    from qarl.quant.schemes import Int8Scheme
+    from qarl.quant.schemes_8bit import Int8Scheme
 
     torch.manual_seed(0)
     layers = [QuantLinear.from_linear(nn.Linear(256, 96), Int8Scheme(gemm=gemm), "kernel")
@@ -288,7 +288,7 @@ def test_backward_on_codes_is_switchback_with_the_forward_unchanged(gemm):
     ref_x, ref_w = _codes_reference(layers[1], x, g)
     assert torch.equal(xs[1].grad, ref_x)
     assert torch.equal(layers[1].bias.grad, layers[0].bias.grad)
-    if layers[1].scheme.act_codes(x) is not None:
+    if layers[1].codes_pass.forward_codes(x) is not None:
         assert torch.equal(layers[1].weight.grad, ref_w)
     else:  # the native kernel quantized inside: no codes kept, x_hat as the float backward
         assert torch.equal(layers[1].weight.grad, layers[0].weight.grad)
@@ -300,7 +300,7 @@ def test_backward_on_codes_is_switchback_with_the_forward_unchanged(gemm):
 def test_grad_input_codes_native_and_torch_paths_agree(monkeypatch):
     """The one-pass native quantizer of g s_w and scaling give the torch ops' bits."""
     from qarl.quant import kernels as K
-    from qarl.quant.schemes import Int8Scheme
+    from qarl.quant.schemes_8bit import Int8Scheme
 
     if not K.native_ok(torch.device("cpu")):
         pytest.skip("qarl.native is not built here")
@@ -308,6 +308,6 @@ def test_grad_input_codes_native_and_torch_paths_agree(monkeypatch):
     torch.manual_seed(1)
     qw = scheme.quantize(torch.randn(96, 256) * 0.05)
     g = torch.randn(33, 96)
-    native = scheme.grad_input_codes(g, qw)
+    native = scheme.codes_pass().grad_input(g, qw)
     monkeypatch.setattr(K, "native_ok", lambda device: False)
-    assert torch.equal(native, scheme.grad_input_codes(g, qw))
+    assert torch.equal(native, scheme.codes_pass().grad_input(g, qw))

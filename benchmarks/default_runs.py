@@ -1,15 +1,16 @@
-"""The README's default-run table, regenerated: `qarl train` on the embedded default recipe
-once per seed, one run at a time, then the held-out accuracies before and after, wall time
-and peak memory per seed, as one JSON object; `--readme` also writes the table into
-README.md between its `default-runs` markers, so a change to sampling or kernels (which moves
-where a trajectory ends) regenerates the table instead of leaving it stale.
+"""The default recipe's held-out accuracies before and after training, regenerated: `qarl
+train` on the embedded default recipe once per seed, one run at a time, then the held-out
+accuracies before and after, wall time and peak memory per seed, as one JSON object;
+`--results` also writes the table into docs/results.md (section `default-runs`, and the
+README's glance row from it), so a change to sampling or kernels (which moves where a
+trajectory ends) regenerates the table instead of leaving it stale.
 
     .venv/bin/python benchmarks/default_runs.py                 # seeds 0 1 2, ~15 min on 2 cores
-    .venv/bin/python benchmarks/default_runs.py --readme        # and rewrite the README table
+    .venv/bin/python benchmarks/default_runs.py --results       # and write docs/results.md
     .venv/bin/python benchmarks/default_runs.py --seeds 0 --train.steps=2   # a smoke run
-    .venv/bin/python benchmarks/default_runs.py --from runs/kept --readme   # table of kept runs
+    .venv/bin/python benchmarks/default_runs.py --from runs/kept --results  # table of kept runs
 
-Arguments after the options are `qarl train` overrides (the README's table is the default
+Arguments after the options are `qarl train` overrides (the results page's table is the default
 recipe's: pass none for it). Each run is a child process (`qarl train`, as a user runs it);
 its wall time and peak RSS are the child's own (`os.wait4`). The runs' folders go to a
 temporary folder unless `--keep DIR`.
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -28,8 +28,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
-BEGIN, END = "<!-- default-runs:begin -->", "<!-- default-runs:end -->"
 # (column label, eval metric): the deployed quantized policy, the master weights, truncation
 COLUMNS = [("deployed W8A8 policy", "eval/accuracy_quantized"),
            ("full-precision master weights", "eval/accuracy_full_precision"),
@@ -63,6 +61,13 @@ def run_seed(seed: int, out: Path, overrides: list[str]) -> dict:
             "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2)}
 
 
+def mean_of(results: list[dict], side: str, key: str) -> float | None:
+    """The mean over seeds of eval metric `key` at `side` ('before' / 'after'); None if a seed
+    lacks it."""
+    values = [r[side][key] for r in results]
+    return None if None in values else sum(values) / len(values)
+
+
 def table(results: list[dict]) -> str:
     """The markdown table: one row per seed and their mean."""
     head = "| seed | " + " | ".join(f"{label}: before -> after" for label, _ in COLUMNS) + " |"
@@ -81,23 +86,11 @@ def table(results: list[dict]) -> str:
 
     for r in results:
         lines.append(f"| {r['seed']} | {cells(r['before'], r['after'])} |")
-    def mean(side: str, key: str) -> float | None:
-        values = [r[side][key] for r in results]
-        return None if None in values else sum(values) / len(values)
-
     if len(results) > 1:
-        means = {side: {key: mean(side, key) for _, key in COLUMNS} for side in ("before", "after")}
+        means = {side: {key: mean_of(results, side, key) for _, key in COLUMNS}
+                 for side in ("before", "after")}
         lines.append(f"| mean | {cells(means['before'], means['after'])} |")
     return "\n".join(lines)
-
-
-def write_readme(text: str, begin: str = BEGIN, end: str = END) -> None:
-    """Replace README.md's block between the markers `begin` and `end` with `text`."""
-    readme = README.read_text(encoding="utf-8")
-    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
-    if not pattern.search(readme):
-        raise SystemExit(f"README.md has no {begin} ... {end} block to replace")
-    README.write_text(pattern.sub(lambda _: f"{begin}\n{text}\n{end}", readme), encoding="utf-8")
 
 
 def commit() -> str:
@@ -108,17 +101,33 @@ def commit() -> str:
     return done.stdout.strip() + ("+changes" if dirty else "")
 
 
+def notes(results: list[dict]) -> str:
+    """The results page's words under the table: what the columns are, each run's cost."""
+    text = ("Held-out accuracy (and the share of truncated responses) at the first and the last "
+            "evaluation of each `qarl train` run of the default recipe, `before -> after`; in "
+            "bold the deployed W8A8 policy after training.")
+    if all("wall_s" in r for r in results):  # runs measured here, not read `--from` a folder
+        wall, peak = [r["wall_s"] for r in results], [r["peak_rss_gb"] for r in results]
+        text += (f" Each run (one `qarl train` child at a time): {min(wall):.0f}-{max(wall):.0f} s"
+                 f" wall, peak RSS {min(peak):.2f}-{max(peak):.2f} GiB.")
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--readme", action="store_true", help="rewrite README.md's table")
+    parser.add_argument("--results", action="store_true",
+                        help="write the table into docs/results.md (section default-runs)")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run folders here")
     parser.add_argument("--from", dest="source", type=Path, default=None,
                         help="read finished runs (seed<k> folders) from here instead of running")
+    parser.add_argument("--machine", default=None,
+                        help="with --from --results: the machine class the runs ran on "
+                        "(default: this machine's, benchmarks/results_page.py machine_class)")
     args, overrides = parser.parse_known_args()
-    if args.readme and overrides:
-        raise SystemExit("--readme writes the default recipe's table: drop the overrides "
-                         f"{overrides}, or drop --readme")
+    if args.results and overrides:
+        raise SystemExit("--results writes the default recipe's table: drop the overrides "
+                         f"{overrides}, or drop --results")
     from qarl.native import machine
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -127,8 +136,16 @@ def main() -> None:
         results = [read_run(seed, args.source) if args.source else run_seed(seed, out, overrides)
                    for seed in args.seeds]
     text = table(results)
-    if args.readme:
-        write_readme(text)
+    if args.results:
+        from results_page import this_command, write_section
+
+        before, after = (mean_of(results, side, COLUMNS[0][1]) for side in ("before", "after"))
+        seeds = " / ".join(str(r["seed"]) for r in results)
+        glance = None if None in (before, after) else (
+            "default recipe: deployed W8A8 policy, held-out accuracy",
+            f"{before:.2f} -> {after:.2f} (mean of seeds {seeds})")
+        write_section("default-runs", "What the default run shows", this_command(), text,
+                      notes=notes(results), glance=glance, machine=args.machine)
     print(json.dumps({"commit": commit(), "overrides": overrides, "machine": machine(),
                       "runs": results, "table": text}, indent=1))
 

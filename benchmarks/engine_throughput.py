@@ -10,6 +10,10 @@ too: with `--threads 1` it is the figure least disturbed by other jobs on a shar
 is recorded, since absolute times on a loaded machine mean little.
 
     .venv/bin/python benchmarks/engine_throughput.py --models qwen3-109m --batches 16 --dtypes fp32
+    .venv/bin/python benchmarks/engine_throughput.py --results    # and write docs/results.md
+
+`--results` also writes each model, dtype and batch's ms/step of both into docs/results.md
+(section `engine-vs-hf`).
 """
 
 from __future__ import annotations
@@ -133,6 +137,42 @@ def run_case(model, batch_size, args, with_hf) -> dict:
     return case
 
 
+def write_results(report: dict) -> None:
+    """`--results`: qarl's and transformers' ms/step per model, dtype and batch into
+    docs/results.md, with the speed-up on SmolLM2 in fp32 (else the first model) as the
+    glance."""
+    from results_page import this_command, write_section
+
+    head = ["model", "dtype", "batch", "qarl ms/step", "HF ms/step", "speed-up", "qarl tokens/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for entry in report["results"]:
+        if "skipped" in entry:
+            lines.append(f"| {entry['model']} | {entry['dtype']} | skipped: "
+                         f"{entry['skipped'].splitlines()[0].replace('|', '/')} |" + " |" * 4)
+            continue
+        for case in entry["cases"]:
+            lines.append(f"| {entry['model']} | {entry['dtype']} | {case['batch']} | "
+                         f"{case['qarl_ms_per_step']:.2f} | {case['hf_ms_per_step']:.2f} | "
+                         f"{case['speedup']:.2f}x | {case['qarl_tokens_per_s']:.0f} |")
+    notes = ("Greedy decode of the same weights and prompts, every row to the same length: "
+             "`LocalEngine` (qarl) and transformers' `generate` (HF, sdpa attention); ms per "
+             f"step = (t({report['new_tokens']} tokens) - t(1 token)) / "
+             f"{report['new_tokens'] - 1}, the best of the interleaved repeats; speed-up: HF's "
+             f"ms/step over qarl's; {report['threads']} torch threads. qwen3-109m: random "
+             "weights of the 109M Qwen3 config.")
+    measured = [e for e in report["results"] if "cases" in e]
+    glance = None
+    if measured:
+        entry = next((e for e in measured if (e["model"], e["dtype"]) == ("smollm2-135m", "fp32")),
+                     measured[0])
+        glance = (f"qarl's engine vs transformers `generate`, decode ({entry['model']}, "
+                  f"{entry['dtype']})",
+                  " / ".join(f"{c['speedup']:.2f}x" for c in entry["cases"]) + " at batch "
+                  + " / ".join(str(c["batch"]) for c in entry["cases"]))
+    write_section("engine-vs-hf", "qarl's engine next to transformers", this_command(),
+                  "\n".join(lines), notes=notes, glance=glance)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="tiny,qwen3-109m,smollm2-135m",
@@ -148,7 +188,11 @@ def main(argv=None) -> dict:
                         help="also time qarl with per-linear packing only (fuse_blocks=False)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads for both implementations (default: torch's)")
+    parser.add_argument("--results", action="store_true",
+                        help="write the figures into docs/results.md (section engine-vs-hf)")
     args = parser.parse_args(argv)
+    if args.results and args.no_hf:
+        parser.error("--results writes qarl's engine next to transformers': drop --no-hf")
     unknown = [d for d in args.dtypes.split(",") if d not in DTYPES]
     if unknown:
         parser.error(f"unknown dtypes {unknown}; choose from {sorted(DTYPES)}")
@@ -182,6 +226,8 @@ def main(argv=None) -> dict:
             report["results"].append(entry)
     report["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(report, indent=1))
+    if args.results:
+        write_results(report)
     return report
 
 

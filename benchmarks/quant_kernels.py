@@ -33,6 +33,10 @@ and after is recorded.
         --rows 1,16,32,256
     .venv/bin/python benchmarks/quant_kernels.py --parts f32 --shapes 576x1536,1536x576,576x49152 \
         --rows 1,4,32,256
+    .venv/bin/python benchmarks/quant_kernels.py --parts decode --results   # into docs/results.md
+
+`--results` (with the decode part) also writes the decode part's ms/step per format and batch
+into docs/results.md (section `decode`).
 """
 
 from __future__ import annotations
@@ -254,6 +258,37 @@ def add_speedups(cases: list[dict]) -> None:
         c["speedup_vs_fp32"] = round(base[c["model"], c["batch"]] / c["ms_per_step"], 2)
 
 
+def write_results(report: dict, models: list[str]) -> None:
+    """`--results`: the decode part's ms/step per model, format and batch into docs/results.md,
+    with W8A8's speed over fp32 on the default model as the glance."""
+    from results_page import this_command, write_section
+
+    cases = report["decode"]
+    batches = list(dict.fromkeys(c["batch"] for c in cases))
+    ms = {(c["model"], c["format"], c["batch"]): c for c in cases}
+    head = ["model", "format", *(f"batch {b}" for b in batches)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for model, fmt in dict.fromkeys((c["model"], c["format"]) for c in cases):
+        cells = [f"{ms[model, fmt, b]['ms_per_step']:.2f} "
+                 f"({ms[model, fmt, b]['speedup_vs_fp32']:.2f}x)" for b in batches]
+        lines.append(f"| {model} | `{fmt}` | " + " | ".join(cells) + " |")
+    notes = (f"{report['decode_engine']}: ms per decode step, (t(N tokens) - t(1 token)) / "
+             "(N - 1), the best of the repeats; in brackets the speed against `fp32` on the same "
+             f"model and batch; {report['threads']} torch threads. qwen3-109m: random weights of "
+             "the 109M Qwen3 config.")
+    model = "smollm2-135m" if "smollm2-135m" in models else models[0]
+    formats = [f for f in dict.fromkeys(c["format"] for c in cases if c["model"] == model)
+               if f != "fp32"]
+    glance = None
+    if formats:
+        fmt = "w8a8-int8" if "w8a8-int8" in formats else formats[0]
+        glance = (f"decode, `{fmt}` vs fp32 ({model})",
+                  " / ".join(f"{ms[model, fmt, b]['speedup_vs_fp32']:.2f}x" for b in batches)
+                  + f" at batch {' / '.join(map(str, batches))}")
+    write_section("decode", "Quantized decode speed", this_command(), "\n".join(lines),
+                  notes=notes, glance=glance)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default="layers,decode")
@@ -268,7 +303,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--lm-head", choices=["engine", "quantized", "both"], default="engine",
                         help="decode: lm_head in fp32 (engine), quantized too, or both rows")
+    parser.add_argument("--results", action="store_true",
+                        help="write the decode part into docs/results.md (section decode)")
     args = parser.parse_args(argv)
+    if args.results and "decode" not in args.parts.split(","):
+        parser.error(f"--results writes the decode part's figures; --parts {args.parts} has no "
+                     "decode: add it")
     torch.set_num_threads(args.threads)
     formats = args.formats.split(",")
     for f in formats:
@@ -308,6 +348,8 @@ def main(argv=None) -> dict:
         report["f32_isa_here"] = native.f32_isa()
     report["load_average_after"] = list(os.getloadavg())
     print(json.dumps(report, indent=1))
+    if args.results:
+        write_results(report, args.models.split(","))
     return report
 
 

@@ -28,7 +28,8 @@ their step ratio is not a ratio of response lengths (the responses' text past th
 noise, and so are the rewards). The JSON names the machine (CPU, ISA levels, threads) and the
 int8 GEMM chosen here, and each arm's `quant_backward` (what its quantized layers' backward
 multiplies: train.quant_backward resolved); `ratio` is each arm's mean step against the
-first arm's.
+first arm's. `--results` also writes the arms' means into docs/results.md (section
+`step-time`).
 """
 
 from __future__ import annotations
@@ -150,6 +151,39 @@ def in_processes(args: argparse.Namespace, arms: list[str]) -> dict:
             "unit": "seconds per step (mean of steps 2..N), one process per arm and round"}
 
 
+def write_results(result: dict) -> None:
+    """`--results`: the arms' mean seconds per step and per phase into docs/results.md, with
+    the first arm's step against the second's as the glance."""
+    from results_page import this_command, write_section
+
+    arms = result["arms"]
+    rss = all("peak_rss_gb" in m for m in arms.values())  # --rounds: each arm's own process
+    first = next(iter(arms))
+    head = ["arm", "s/step", *PHASES, f"speed vs `{first}`", *(["peak RSS"] if rss else []),
+            "backward on"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, m in arms.items():
+        cells = [f"`{name}`", f"{m['step']:.2f}", *(f"{m[p]:.2f}" for p in PHASES),
+                 f"{m['ratio']:.2f}x", *([f"{m['peak_rss_gb']:.2f} GiB"] if rss else []),
+                 m["quant_backward"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = (f"Recipe `{result['recipe']}`, the arms' overrides on the command line; seconds "
+             "per step and per phase, the mean of steps 2..N (step 1 a warm-up); speed: the "
+             "first arm's s/step over the arm's (> 1: faster); backward on: what the quantized "
+             "layers' backward multiplies (train.quant_backward).")
+    if rss:
+        notes += (f" {len(result['rounds'])} rounds of one process per arm, the order reversed "
+                  "every other round; means over the rounds.")
+    glance = None
+    if len(arms) > 1:
+        second = list(arms)[1]
+        a, b = arms[first]["step"], arms[second]["step"]
+        glance = (f"RL step, `{first}` vs `{second}` ({result['recipe']} recipe)",
+                  f"{a / b:.2f}x the time ({a:.2f} s vs {b:.2f} s)")
+    write_section("step-time", "Seconds per RL step", this_command(), "\n".join(lines),
+                  notes=notes, glance=glance)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="default")
@@ -162,6 +196,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=0,
                         help="R > 0: each arm in a process of its own, R rounds, the order "
                              "reversed every other round")
+    parser.add_argument("--results", action="store_true",
+                        help="write the arms' means into docs/results.md (section step-time)")
     args = parser.parse_args()
     texts = args.arm or ["w8a8:", "none:quant.scheme=none"]
     if args.rounds > 0:
@@ -169,6 +205,8 @@ def main() -> None:
         result.update(recipe=args.recipe, steps=args.steps, tokens=args.tokens,
                       ignore_eos=args.ignore_eos, machine=machine())
         print(json.dumps(result, indent=1))
+        if args.results:
+            write_results(result)
         return
     arms = [_arm(text) for text in texts]
     tune_allocator()  # as qarl train does (QARL_MALLOC=default measures glibc's own)
@@ -182,6 +220,8 @@ def main() -> None:
                   peak_rss_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
                   loadavg_before=load_before, loadavg_after=os.getloadavg())
     print(json.dumps(result, indent=1))
+    if args.results:
+        write_results(result)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ final EOS on both sides. `qarl_speedup` is each arm's mean step over qarl's (> 1
 
 Time: `--steps 4 --arms qarl,trl-fp32,qarl-none` takes about 4 minutes on 2 Xeon cores;
 `trl-defaults` alone takes 3 minutes a step there (its bf16 autocast is emulated on a CPU
-without AVX512-BF16 / AMX). Figures: docs/benchmarks.md.
+without AVX512-BF16 / AMX). `--results` also writes the arms into docs/results.md (section
+`trl`): `make bench-trl BENCH_ARGS=--results`.
 """
 
 from __future__ import annotations
@@ -240,6 +241,47 @@ def run_arm(name: str, args: argparse.Namespace) -> dict:
     return {**json.loads(done.stdout.strip().splitlines()[-1]), **common}
 
 
+def write_results(report: dict) -> None:
+    """`--results`: each arm's s/step, phases and peak RSS into docs/results.md, with qarl's
+    speed over TRL's fastest arm as the glance."""
+    from results_page import this_command, write_section
+
+    arms = report["arms"]
+    phases = list(dict.fromkeys(p for r in arms.values() for p in r.get("phases", {})))
+    head = ["arm", "s/step", *phases, "vs `qarl`", "response tokens", "peak RSS"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r in arms.items():
+        if "step" not in r:
+            lines.append(f"| `{name}` | failed: {r['failed']} |" + " |" * (len(head) - 2))
+            continue
+        speedup = report["qarl_speedup"].get(name)
+        cells = [f"`{name}`", f"{r['step']:.2f}",
+                 *(f"{r['phases'][p]:.2f}" if p in r["phases"] else "-" for p in phases),
+                 "-" if speedup is None else f"{speedup:.2f}x", f"{r['response_length_mean']:.1f}",
+                 f"{r['peak_rss_gb']:.2f} GiB"]
+        lines.append("| " + " | ".join(cells) + " |")
+    batch = report["batch"]
+    notes = (f"Recipe `{report['recipe']}` ({report['model']}): {batch['responses']} responses "
+             f"of at most {report['tokens']} tokens per step, groups of {batch['group_size']}, "
+             f"micro-batches of {batch['micro_batch_size']}. Seconds per step and per phase, the "
+             "mean of steps 2..N, each arm in a process of its own, one after another. qarl's "
+             "phases are its trainer's; TRL's are timed from its own methods (`prepare`: the rest "
+             "of scoring, `update`: the rest of the optimizer step). vs `qarl`: the arm's s/step "
+             "over qarl's (> 1: qarl faster). `qarl`: the recipe as it is; `qarl-none`: "
+             "quant.scheme = none; `trl-fp32`: bf16 off, no gradient checkpointing; "
+             "`trl-defaults`: GRPOConfig's own. Versions: "
+             + ", ".join(f"{p} {v}" for p, v in report["versions"].items()) + ".")
+    speedup = report["qarl_speedup"]
+    trl = {name: speedup[name] for name in TRL_ARMS if name in speedup}
+    glance = None
+    if trl:
+        fastest = min(trl, key=trl.get)
+        glance = (f"qarl vs TRL's GRPOTrainer, {report['recipe']} recipe",
+                  f"{trl[fastest]:.1f}x as fast as TRL's fastest arm (`{fastest}`)")
+    write_section("trl", "qarl next to TRL", this_command(), "\n".join(lines), notes=notes,
+                  glance=glance)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="default")
@@ -248,6 +290,8 @@ def main() -> None:
                         help="rollout.max_new_tokens and TRL's max_completion_length")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in every arm")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {ARMS}")
+    parser.add_argument("--results", action="store_true",
+                        help="write the arms into docs/results.md (section trl)")
     parser.add_argument("--run-arm", choices=ARMS, help=argparse.SUPPRESS)  # a child's arm
     args = parser.parse_args()
     if args.steps < 2:
@@ -281,7 +325,7 @@ def main() -> None:
     qarl_step = results.get("qarl", {}).get("step")
     speedup = {name: round(r["step"] / qarl_step, 2) for name, r in results.items()
                if qarl_step and name != "qarl" and "step" in r}
-    print(json.dumps({
+    report = {
         "recipe": args.recipe, "model": config.model.name, "model_folder": str(model_folder),
         "steps": args.steps, "tokens": config.rollout.max_new_tokens,
         "batch": {"responses": config.rollout.batch_size, "group_size": config.rollout.group_size,
@@ -290,7 +334,10 @@ def main() -> None:
         "qarl_speedup": speedup, "machine": machine(),
         "versions": {p: importlib.metadata.version(p) for p in VERSIONS},
         "loadavg_before": load_before, "loadavg_after": _loadavg(),
-    }, indent=1))
+    }
+    print(json.dumps(report, indent=1))
+    if args.results:
+        write_results(report)
 
 
 if __name__ == "__main__":

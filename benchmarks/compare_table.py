@@ -1,0 +1,138 @@
+"""A finished `qarl compare` folder's table, from its compare.json: per arm, the deployed
+policy's held-out accuracy by seed (mean ± half the range), the master weights' accuracy, the
+gap closed, and the training means of the mismatch, clips, band drops, error-token rates and
+seconds per step, as one JSON object; `--results` also writes the table into docs/results.md
+(section `compare-RECIPE` unless `--key`), so a new comparison regenerates the table instead of
+leaving it stale.
+
+    .venv/bin/qarl compare tbpo --jobs 2                            # the runs
+    .venv/bin/python benchmarks/compare_table.py runs/tbpo          # the table's figures as JSON
+    .venv/bin/python benchmarks/compare_table.py runs/tbpo --results   # and write docs/results.md
+
+The recipe's name is the folder's (`qarl compare RECIPE` writes into run.output_dir/RECIPE).
+A figure no arm logged (GRPO arms have no trust band) is '-' in its arm's row, and a column no
+arm has is left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+# (column, compare.json figures, format of their means over seeds); "gap_closed_pct" is the
+# arm's own entry, the others its figures' means
+COLUMNS = [("master", ("accuracy_master",), "{:.2f}"),
+           ("gap closed", ("gap_closed_pct",), "{:.0f} %"),
+           ("mean \\|Δlogp\\|", ("abs_diff_mean",), "{:.4f}"),
+           ("clipped (A < 0)", ("clip_frac", "clip_frac_neg"), "{:.3f} ({:.3f})"),
+           ("band drops", ("band_drop",), "{:.3f}"), ("garbled", ("garbled",), "{:.3f}"),
+           ("low-prob tokens", ("lowprob_tokens",), "{:.4f}"),
+           ("repeated 4-grams", ("rep_ngram",), "{:.3f}"), ("truncated", ("truncated",), "{:.3f}"),
+           ("s/step", ("time_step",), "{:.1f}")]
+NOTES = ("Deployed: the deployed policy's held-out accuracy at the last evaluation (the "
+         "quantized engine's; full precision's in an arm without quantization), mean ± half "
+         "the range over seeds, each seed's in brackets; master: the full-precision master "
+         "weights' (mean over seeds); gap closed: how much of the baseline's gap to the "
+         "reference the arm's mean deployed accuracy closes. The other columns are means over "
+         "training steps, then over seeds: mean |Δlogp| between the learner's and the "
+         "sampler's logprobs; the clipped share of tokens (of those with A < 0); the trust "
+         "band's dropped tokens; the error-token rates of the training rollouts; seconds per "
+         "step. qarl/report/README.md defines each figure.")
+
+
+def figures(table: dict) -> dict:
+    """{arm: {"seeds", "deployed": [per seed], "mean", "half_range", figure: mean, ...}}."""
+    out = {}
+    for arm, entry in table["arms"].items():
+        figs = entry["figures"]
+        deployed = figs["accuracy_deployed"]["values"]
+        out[arm] = {"seeds": entry["seeds"], "deployed": deployed,
+                    "mean": sum(deployed) / len(deployed) if deployed else None,
+                    "half_range": (max(deployed) - min(deployed)) / 2 if deployed else None,
+                    **{key: figs[key]["mean"] if key in figs else entry.get(key)
+                       for _, keys, _ in COLUMNS for key in keys}}
+    return out
+
+
+def arm_name(arm: str, table: dict) -> str:
+    role = {table.get("reference"): " (reference)", table.get("baseline"): " (baseline)"}
+    return f"`{arm}`{role.get(arm, '')}"
+
+
+def markdown(rows: dict, table: dict) -> str:
+    """The arms' rows; the columns some arm has a value for."""
+    seeds = " / ".join(map(str, next(iter(rows.values()))["seeds"]))
+    shown = [c for c in COLUMNS if any(None not in [r[k] for k in c[1]] for r in rows.values())]
+    head = ["arm", f"deployed (seeds {seeds})", *(label for label, _, _ in shown)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm, row in rows.items():
+        values = " / ".join(f"{v:g}" for v in row["deployed"])
+        deployed = "-" if row["mean"] is None else (
+            f"{row['mean']:.3f} ± {row['half_range']:.3f} ({values})")
+        cells = [arm_name(arm, table), deployed]
+        for _, keys, fmt in shown:
+            means = [row[key] for key in keys]
+            cells.append("-" if None in means else fmt.format(*means))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def glance(rows: dict, table: dict, recipe: str) -> tuple[str, str] | None:
+    """(what, reading): the reference arm's deployed accuracy and the best other arm's."""
+    measured = {arm: row["mean"] for arm, row in rows.items() if row["mean"] is not None}
+    reference = table.get("reference")
+    others = {arm: mean for arm, mean in measured.items() if arm != reference}
+    if not others:
+        return None
+    best = max(others, key=others.get)
+    reading = f"best arm `{best}` {others[best]:.3f}"
+    if reference in measured:
+        reading = f"reference `{reference}` {measured[reference]:.3f}; {reading}"
+    return f"`qarl compare {recipe}`: deployed held-out accuracy", reading
+
+
+def arms_note(table: dict) -> str:
+    """One line per arm: its overrides of the recipe."""
+    return "\n".join(f"- `{arm}`: `{json.dumps(entry.get('overrides') or {})}`"
+                     for arm, entry in table["arms"].items())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path,
+                        help="a finished qarl compare folder (has compare.json)")
+    parser.add_argument("--results", action="store_true",
+                        help="write the table into docs/results.md")
+    parser.add_argument("--key", default=None,
+                        help="the results page's section (default: compare-RECIPE, RECIPE the "
+                        "folder's name)")
+    parser.add_argument("--machine", default=None,
+                        help="with --results: the machine class the runs ran on (default: this "
+                        "machine's, benchmarks/results_page.py machine_class)")
+    args = parser.parse_args()
+    source = args.folder / "compare.json"
+    if not source.exists():
+        raise SystemExit(f"{source} does not exist: run `qarl compare RECIPE` (or `qarl report "
+                         f"{args.folder}`) first")
+    table = json.loads(source.read_text())
+    if table.get("unfinished"):
+        raise SystemExit(f"{source}: unfinished runs {table['unfinished']}; the same qarl "
+                         "compare command resumes them")
+    if not table["arms"]:
+        raise SystemExit(f"{source} has no arms: `qarl report {args.folder}` rewrites it")
+    rows = figures(table)
+    if args.results:
+        from results_page import this_command, write_section
+
+        recipe = args.folder.resolve().name
+        notes = (f"From the finished runs of `qarl compare {recipe}` in `{args.folder}`. {NOTES} "
+                 f"The arms' overrides of the recipe:\n\n{arms_note(table)}")
+        write_section(args.key or f"compare-{recipe}", f"Comparison: the {recipe} recipe",
+                      this_command(), markdown(rows, table), notes=notes,
+                      glance=glance(rows, table, recipe), machine=args.machine)
+    print(json.dumps({"folder": str(args.folder), "arms": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

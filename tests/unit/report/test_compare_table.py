@@ -1,0 +1,77 @@
+"""benchmarks/compare_table.py: a finished `qarl compare` folder's table from its compare.json,
+and its section of the results page."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import compare_table  # noqa: E402
+
+
+def _entry(deployed, band_drop, gap_closed):
+    means = {key: 0.5 for _, keys, _ in compare_table.COLUMNS for key in keys}
+    means.update(band_drop=band_drop, abs_diff_mean=0.00283, time_step=41.25)
+    del means["gap_closed_pct"]  # the arm's own entry, not a figure
+    figs = {key: {"mean": value, "values": []} for key, value in means.items()}
+    figs["accuracy_deployed"] = {"mean": sum(deployed) / len(deployed), "values": deployed}
+    return {"seeds": [0, 1, 2], "overrides": {"quant.scheme": "none"}, "figures": figs,
+            "gap_closed_pct": gap_closed}
+
+
+COMPARE = {"reference": "fp-grpo", "baseline": "naive-grpo", "unfinished": [], "arms": {
+    "fp-grpo": _entry([0.75, 0.925, 0.8], None, 100.0),
+    "fake-tbpo": _entry([0.025, 0.35, 0.35], 0.0, None),
+}}
+
+
+def test_rows_carry_seeds_half_range_and_missing_figures():
+    """Each arm's row: the mean deployed accuracy ± half the seeds' range with every seed's
+    value, '-' where the arm has no such figure (GRPO has no trust band, a gap needs a
+    baseline), the clip fraction with its negative-advantage share in brackets; the reference
+    arm is named as such."""
+    lines = compare_table.markdown(compare_table.figures(COMPARE), COMPARE).splitlines()
+    assert lines[0].startswith("| arm | deployed (seeds 0 / 1 / 2) | master | gap closed | "
+                               "mean \\|Δlogp\\| |")
+
+    def cells(line):
+        return line.replace("\\|", "").count("|")  # an escaped bar is no column
+
+    assert len(lines) == 4 and all(cells(line) == cells(lines[0]) for line in lines)
+    fp, fake = lines[2].split(" | "), lines[3].split(" | ")
+    assert fp[0] == "| `fp-grpo` (reference)" and fake[0] == "| `fake-tbpo`"
+    assert fp[1] == "0.825 ± 0.088 (0.75 / 0.925 / 0.8)"
+    assert fp[3] == "100 %" and fake[3] == "-"
+    assert fp[6] == "-" and fake[6] == "0.000"
+    assert fake[1] == "0.242 ± 0.162 (0.025 / 0.35 / 0.35)"
+    assert fake[4] == "0.0028" and fake[5] == "0.500 (0.500)" and fake[-1] == "41.2 |"
+
+
+def test_a_column_no_arm_has_is_left_out():
+    """Without any arm's band drops (a GRPO-only comparison) the table has no such column."""
+    grpo = {**COMPARE, "arms": {"fp-grpo": COMPARE["arms"]["fp-grpo"]}}
+    head = compare_table.markdown(compare_table.figures(grpo), grpo).splitlines()[0]
+    assert "band drops" not in head and "garbled" in head
+
+
+def test_the_glance_names_the_reference_and_the_best_other_arm():
+    """The glance reads the reference arm's mean deployed accuracy and the best other arm's."""
+    what, reading = compare_table.glance(compare_table.figures(COMPARE), COMPARE, "tbpo")
+    assert what == "`qarl compare tbpo`: deployed held-out accuracy"
+    assert reading == "reference `fp-grpo` 0.825; best arm `fake-tbpo` 0.242"
+
+
+def test_refuses_an_unfinished_comparison(tmp_path):
+    """A folder whose runs are not all finished names them and how to resume, and writes
+    nothing."""
+    unfinished = {**COMPARE, "unfinished": ["fake-tbpo/seed2"]}
+    (tmp_path / "compare.json").write_text(json.dumps(unfinished))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compare_table.py"),
+                           str(tmp_path), "--results"], capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "fake-tbpo/seed2" in done.stderr and "resumes" in done.stderr

@@ -30,8 +30,8 @@ from torch.distributed.tensor import DTensor
 
 from qarl.config import load_config
 from qarl.native import machine
-from qarl.train.follow import FsdpLearner, learner_on_ranks
-from qarl.train.setup import open_run
+from qarl.train.learner.follow import FsdpLearner, learner_on_ranks
+from qarl.train.folder import open_run
 from qarl.train.sft import warm_start
 from qarl.train.trainer import rl_step
 

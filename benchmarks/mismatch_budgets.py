@@ -66,7 +66,7 @@ def check(paths: list[str]) -> int:
     from qarl.config import load_config
     from qarl.model import load_skeleton
     from qarl.train.budgets import mismatch_budget
-    from qarl.train.setup import replay_is_exact
+    from qarl.train.policy import replay_is_exact
 
     checkpoint = ("step_", ".tmp_step_", "damaged_step_")  # a checkpoint's copy of the files
     runs = sorted({p.parent for path in paths for p in Path(path).rglob("metrics.jsonl")

@@ -60,12 +60,11 @@ def _arm(text: str) -> tuple[str, dict]:
 def measure(recipe: str, arms: list[tuple[str, dict]], steps: int, tokens: int | None,
             out: str, prepare: Callable[[str, object], None] | None = None) -> dict:
     """`prepare(name, policy)`, where given, alters each arm's built policy before its first
-    push (a variant no recipe key expresses: benchmarks/backward_dequant.py)."""
+    push (a variant no recipe key expresses, e.g. `ignore_eos`)."""
     from contextlib import ExitStack
 
     from qarl.quant import SCHEMES
-    from qarl.train.precision import quant_backward_of
-    from qarl.train.setup import open_run
+    from qarl.train.folder import open_run
     from qarl.train.sft import warm_start
     from qarl.train.trainer import rl_step
 
@@ -95,7 +94,7 @@ def measure(recipe: str, arms: list[tuple[str, dict]], steps: int, tokens: int |
                                        "tokens": metrics["response/length_mean"]})
         kernel = SCHEMES["w8a8-int8"].kernel_path(
             runs[0][2].learner.model.model.embed_tokens.weight.device, None)
-        backward = {name: quant_backward_of(policy.learner.model) or "none"
+        backward = {name: policy.learner.passes.precision.quant_backward or "none"
                     for name, _, policy, _ in runs}
     means = {name: {k: round(sum(r[k] for r in rs) / len(rs), 3) for k in rs[0]}
              for name, rs in rows.items()}
@@ -111,7 +110,7 @@ def ignore_eos(name: str, policy) -> None:
     """A `measure` prepare hook: the sampler and the learner's decode-path replay (which
     must stop rows where the sampler did) end no row at an EOS id."""
     policy.engine.eos_token_ids = ()
-    replayer = getattr(policy.learner, "replayer", None)
+    replayer = policy.learner.passes.replayer
     if hasattr(replayer, "eos_token_ids"):
         replayer.eos_token_ids = ()
 

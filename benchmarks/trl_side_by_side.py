@@ -99,7 +99,7 @@ def trl_dataset(config, steps: int):
     from datasets import Dataset
 
     from qarl.train.phases import train_examples
-    from qarl.train.setup import build_task
+    from qarl.train.data import build_task
 
     task = build_task(config)
     prompts_per_step = config.rollout.batch_size // config.rollout.group_size

@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from qarl.errors import UserError
     from qarl.model import DTYPES
     from qarl.train.evaluate import evaluate
-    from qarl.train.setup import open_run
+    from qarl.train.folder import open_run
     from qarl.train.sft import warm_start
 
     config = load_config(args.recipe, args.overrides)  # a ConfigError: exit 2

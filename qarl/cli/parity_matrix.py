@@ -2,7 +2,7 @@
 
 For each quantization scheme the engine (a `kernel`-mode copy of the model) samples one batch
 of responses: same prompts, same seed for every scheme. Then, for each alignment mode, a fresh
-learner copy is built exactly as the trainer builds it (`qarl.train.setup.engine_copy` and
+learner copy is built exactly as the trainer builds it (`qarl.train.policy.engine_copy` and
 `quantize_learner`, so a recipe's `quant.include` / `exclude` / `options` apply to both sides;
 `naive`: plain full precision), its `export_state` is pushed to the engine with `load_weights`
 (for `naive` the engine receives full-precision weights and quantizes them itself), and the
@@ -10,9 +10,9 @@ learner recomputes the batch's logprobs:
 
 - path `decode-replay`: `LocalEngine(learner).score(batch)`, the engine's own prefill + decode
   path with the sampled tokens forced: what the trainer uses for old_logp;
-- path `full-sequence`: `qarl.train.learner.response_logprobs`, one teacher-forced forward of
-  prompt + response: the fast path the gradient comes from (reported for `kernel` alignment
-  and for the identity scheme `none`, to show the ~1e-6 floor of a plain forward).
+- path `full-sequence`: `qarl.train.learner.logprobs.response_logprobs`, one teacher-forced
+  forward of prompt + response: the fast path the gradient comes from (reported for `kernel`
+  alignment and for the identity scheme `none`, to show the floor of a plain forward).
 
 Each (scheme, align, path) row holds, with d_t = old_logp_t - rollout_logp_t over response
 tokens: mean / max |d_t|, k3-KL (KL(sampler || learner) per token), the sequence geometric
@@ -56,7 +56,7 @@ from qarl.errors import UserError
 from qarl.quant import ALIGNS, SCHEMES, scheme_options
 from qarl.rollout import ENGINES
 from qarl.tasks import make_task
-from qarl.train.setup import PromptEncoder
+from qarl.train.data import PromptEncoder
 from qarl.types import RolloutBatch, SamplingParams
 DECODE_REPLAY, FULL_SEQUENCE = "decode-replay", "full-sequence"
 # Response-position buckets (start positions); empty buckets are left out of a row.
@@ -167,8 +167,9 @@ def run_arms(
     from qarl.model import load_model, load_tokenizer
     from qarl.quant import export_state, quant_layers
     from qarl.rollout import LocalEngine
-    from qarl.train.logprobs import response_logprobs
-    from qarl.train.setup import attach_adapters, engine_copy, quantize_learner
+    from qarl.lora.recipe import attach_adapters
+    from qarl.train.learner.logprobs import response_logprobs
+    from qarl.train.policy import engine_copy, quantize_learner
 
     quant = quant if quant is not None else QuantSection()
     check_names(schemes, aligns, quant.options, engine)
@@ -234,7 +235,7 @@ def plant_adapters(model, seed: int) -> None:
     the same adapters on every copy of a model, and a B that is not zero."""
     import zlib
 
-    from qarl.quant.lora import lora_layers
+    from qarl.lora.layers import lora_layers
 
     with torch.no_grad():
         for name, layer in lora_layers(model).items():

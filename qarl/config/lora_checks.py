@@ -49,8 +49,8 @@ def lora_resources(model, lora) -> list[Problem]:
     of the model, the rank fits them, the adapter's tensors fit them."""
     if not lora.rank:
         return []
-    from qarl.export.peft import config_problems, fit_problems
-    from qarl.quant.lora import attach_lora, lora_targets
+    from qarl.lora.peft import config_problems, fit_problems
+    from qarl.lora.layers import attach_lora, lora_targets
 
     problems = []
     if lora.init_from is not None:

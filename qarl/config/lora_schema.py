@@ -1,4 +1,4 @@
-"""The `[lora]` section: low-rank adapters on the frozen, quantized base (qarl/quant/lora.py)."""
+"""The `[lora]` section: low-rank adapters on the frozen, quantized base (qarl/lora/layers.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from qarl.config.section import SECTION as _SECTION
-from qarl.quant.lora import default_alpha
+from qarl.lora.layers import default_alpha
 
 
 class LoraSection(BaseModel):

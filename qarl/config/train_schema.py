@@ -9,16 +9,16 @@ from pydantic import BaseModel, Field
 
 from qarl.config.section import SECTION as _SECTION
 
-# The optimizers and learning-rate schedules qarl.train.optim implements (it dispatches on
+# The optimizers and learning-rate schedules qarl.train.learner.optim implements (it dispatches on
 # these names; they live here so the schema and the code hold one tuple).
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("constant", "cosine", "linear")
-# The learner's gradient-pass dtypes (qarl.train.precision resolves "auto")
+# The learner's gradient-pass dtypes (qarl.train.learner.precision resolves "auto")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
-# What the straight-through backward of a quantized learner multiplies (qarl.train.precision
+# What the straight-through backward of a quantized learner multiplies (qarl.train.learner.precision
 # resolves "auto" to one of qarl.quant.linear.BACKWARDS)
 QUANT_BACKWARDS = ("auto", "float", "codes")
-# Where the learner's logp values come from (qarl.train.setup.make_replayer builds the pass)
+# Where the learner's logp values come from (qarl.train.policy.make_replayer builds the pass)
 LOGP_PATHS = ("decode", "forward")
 
 

@@ -16,7 +16,7 @@ Formats:
   scheme, options and layer selection (the codes the engine computed from these weights),
   written in compressed-tensors' layout with its `quantization_config`: what vLLM serves. Of
   a LoRA run: its frozen base, the codes the engine served the adapters on.
-- `peft`: a LoRA run's adapters as a PEFT folder (`qarl.export.peft`), which `peft` loads onto
+- `peft`: a LoRA run's adapters as a PEFT folder (`qarl.lora.peft`), which `peft` loads onto
   the base exported as `hf` (merge=False) or `compressed-tensors`.
 
 A LoRA run's base is the recipe's model, or the warm-started one where the recipe has [sft]
@@ -42,13 +42,13 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 from qarl.errors import UserError
 from qarl.export.compressed_tensors import WEIGHTS_FILE, ct_state, quantization_config
-from qarl.export.peft import write_peft
+from qarl.lora.peft import write_peft
 from qarl.model import DTYPES, CausalLM, load_model, load_tokenizer, save_model
 from qarl.model.names import state_on_disk
 from qarl.model.zoo import resolve
 from qarl.quant import SCHEMES, QWeight, export_state, quantize_model
 from qarl.quant.apply import FUSED_GROUPS
-from qarl.quant.lora import attach_lora, default_alpha, load_adapters, remove_adapters
+from qarl.lora.layers import attach_lora, default_alpha, load_adapters, remove_adapters
 
 FORMATS = ("hf", "compressed-tensors", "peft")
 CONFIG_FILE = "config.toml"  # the resolved config a checkpoint was trained with
@@ -106,7 +106,7 @@ def load_master(policy: RunPolicy, base: CausalLM | None = None) -> CausalLM:
     """The base model's architecture holding the checkpoint's master weights, every name
     accounted for (a tied lm_head is stored once, as the embedding). A LoRA run's: `base`
     (default: the recipe's model) with its adapters attached and loaded (full-precision
-    layers: `qarl.quant.lora.LoraLinear`)."""
+    layers: `qarl.lora.layers.LoraLinear`)."""
     model = base if base is not None else load_model(policy.model_name,
                                                      dtype=DTYPES[policy.master_dtype])
     weights = load_file(policy.checkpoint / WEIGHTS_FILE)

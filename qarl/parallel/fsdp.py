@@ -11,7 +11,7 @@ on rank j mod M, so the gradients are those of the replicated ranks.
 
 The other ranks start from a skeleton (`qarl.model.load_skeleton`, on the meta device): only
 their shards are ever allocated, filled from rank 0 (`ShardedLearner.load`).
-Rank 0 keeps its whole learner (`qarl.train.follow.FsdpLearner.model`: no gradients, no
+Rank 0 keeps its whole learner (`qarl.train.learner.follow.FsdpLearner.model`: no gradients, no
 optimizer state) for what reads whole weights: the old_logp replay, the weight sync,
 evaluation and checkpoints. After
 every update the shards are gathered into it (`ShardedLearner.publish`, a collective: rank 0

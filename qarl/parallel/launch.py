@@ -2,7 +2,7 @@
 
 What a follower runs is handed in (`Follower`): its body, `body(rank, world, init, config)`,
 and the module that runs it as a process on this machine (`python -m MODULE`, whose
-`__main__` calls `follower_main`); the trainer's is `qarl.train.follow`.
+`__main__` calls `follower_main`); the trainer's is `qarl.train.learner.follow`.
 
 - "local": processes on this machine (`python -m MODULE`, given the resolved recipe: a fresh
   interpreter never re-runs the caller's script, as multiprocessing's spawn would), joined

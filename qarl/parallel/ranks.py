@@ -1,12 +1,12 @@
 """`RankGroup`: the collectives of one update over the learner ranks (`torch.distributed`, gloo).
 
 With `dist.learner_ranks = M > 1` the trainer process is rank 0 and M - 1 followers run the
-follower body the trainer hands to `qarl.parallel.launch` (`qarl.train.follow`). Every rank
+follower body the trainer hands to `qarl.parallel.launch` (`qarl.train.learner.follow`). Every rank
 computes its share of the step's micro-batches (micro-batch j on rank j mod M); the loss is
 normalized by the WHOLE batch's token / sequence counts (`global_counts`), so the gradients of
 all micro-batches add up to the one-rank gradient. `RankGroup` is what makes the one update
-(`qarl.train.update.update_policy`) run on ranks: the same methods a one-process run gets from
-`qarl.train.update.SOLO` (identities there), here collectives:
+(`qarl.train.learner.update.update_policy`) run on ranks: the same methods a one-process run gets from
+`qarl.train.learner.update.SOLO` (identities there), here collectives:
 
 - `micro_batches` (this rank's share), `sum_gradients` (an `all_reduce` of one flat buffer
   with `dist.learner_strategy = "replicate"`; nothing with "fsdp", whose backward

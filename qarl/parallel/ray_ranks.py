@@ -1,7 +1,7 @@
 """`RayRanks`: learner ranks 1..M-1 as Ray actors, so a data-parallel learner spans machines.
 
 The trainer (rank 0, `qarl.parallel.launch.learner_ranks` with `dist.learner_placement =
-"ray"`) passes the follower's body (`qarl.train.follow.follow`); this module only places and
+"ray"`) passes the follower's body (`qarl.train.learner.follow.follow`); this module only places and
 watches the actors:
 
 - each actor reserves `cpus_per_rank` CPUs (Ray sets its torch threads to that) and is

@@ -68,7 +68,7 @@ def check_mode(mode: str) -> str:
 
 def _compute_dtype(device: torch.device) -> torch.dtype:
     """The dtype a gradient pass on `device` multiplies in: autocast's where it is on
-    (qarl.train.precision), else float32."""
+    (qarl.train.learner.precision), else float32."""
     kind = device.type  # autocast exists for cpu / cuda / ..., not for meta
     if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
@@ -77,7 +77,7 @@ def _compute_dtype(device: torch.device) -> torch.dtype:
 
 class _STELinear(torch.autograd.Function):
     """Forward given by `fn(x2d)`; backward is the straight-through estimator onto W. Under
-    autocast (qarl.train.precision: the gradient pass in bf16) the backward's two GEMMs run in
+    autocast (qarl.train.learner.precision: the gradient pass in bf16) the backward's two GEMMs run in
     the autocast dtype, as autocast's own matmuls do, and `w_hat` comes in that dtype; the
     weight gradient lands in the master's dtype."""
 

@@ -158,7 +158,7 @@ class Scheme:
         the dequantized weight: the same function up to rounding, one dequantization per
         weight version (the backward needs it anyway) and a plain BLAS GEMM, where the kernel
         is an emulation or a decode-shaped one. The value of logp never comes from that pass
-        (`qarl.train.logprobs.aligned_logprobs`); only its gradient does. Default: the BLAS
+        (`qarl.train.learner.logprobs.aligned_logprobs`); only its gradient does. Default: the BLAS
         GEMM (int8 overrides: its GEMM is the faster in an fp32 pass)."""
         return False
 

@@ -1,7 +1,7 @@
 """`ENGINES`: the rollout engines a recipe can name (`rollout.engine`), and what each serves.
 
 The one place that knows an engine kind by name. The trainer builds its engine from here
-(`qarl.train.setup`), the recipe checks read what it supports (`qarl.config.checks`), and
+(`qarl.train.policy`), the recipe checks read what it supports (`qarl.config.checks`), and
 `qarl parity` builds its samplers and picks its defaults from here, so "local" and "vllm" are
 never compared anywhere else.
 

@@ -96,7 +96,7 @@ def _global_rng_kept():
 
 class VLLMEngine:
     """Generates rollouts with vLLM (CPU build or CUDA) from `model`'s weights; implements
-    `qarl.rollout.Engine`. `model` is the engine's qarl copy (`qarl.train.setup.engine_copy`);
+    `qarl.rollout.Engine`. `model` is the engine's qarl copy (`qarl.train.policy.engine_copy`);
     `folder` is where the starting policy is written for vLLM to load. eos / pad / max_context
     as for `LocalEngine`. `dtype`: what vLLM computes in, "auto" (float32 where its kernels
     take it, else bfloat16: `qarl.rollout.vllm_support`), "float32" or "bfloat16"; float32

@@ -1,6 +1,6 @@
 """The RL trainer (`train`), warm-start SFT, the aligned learner, checkpoints and metrics.
 
-`train` is imported lazily so `import qarl.train.optim` stays light. `qarl.train(...)` (the
+`train` is imported lazily so `import qarl.train.learner.optim` stays light. `qarl.train(...)` (the
 public API) calls it even once this package is imported: importing any `qarl.train.*` module
 makes `qarl.train` the package, so the package itself is callable.
 """

@@ -48,7 +48,7 @@ from torch import nn
 
 from qarl.errors import UserError
 from qarl.model.loading import check_safetensors
-from qarl.quant.lora import load_adapters, lora_names
+from qarl.lora.layers import load_adapters, lora_names
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -20,10 +20,11 @@ from qarl.algo.diagnostics import error_token_metrics
 from qarl.config import EvalSection, RunConfig
 from qarl.model import CausalLM
 from qarl.model.loading import build_model
-from qarl.quant.lora import lora_names, merged_weights
+from qarl.lora.layers import lora_names, merged_weights
 from qarl.rollout import LocalEngine
 from qarl.train.phases import reward_metrics, reward_responses
-from qarl.train.setup import Data, Policy
+from qarl.train.data import Data
+from qarl.train.policy import Policy
 from qarl.types import RolloutBatch, SamplingParams, concat_batches
 
 EVAL_CHUNK = 64  # prompts per generate call: bounds the KV cache at eval time

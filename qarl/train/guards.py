@@ -2,7 +2,7 @@
 
 - `BadStepGuard`: a step whose loss, gradient or optimizer settings (learning rate, weight
   decay, betas: `settings_finite`) were not finite is skipped by the update
-  (`phases.optimizer_step`: weights and optimizer state untouched, `guard/nonfinite` = 1);
+  (`learner.update.optimizer_step`: weights and optimizer state untouched, `guard/nonfinite` = 1);
   `train.max_bad_steps` such steps in a row abort the run with `TrainingAborted`.
 - `check_weights`: after every optimizer step, every weight is finite, or the run stops
   (`NonFiniteWeights`) before those weights reach the engine or a checkpoint. With finite

@@ -2,7 +2,7 @@
 
 prompts -> generate -> reward -> advantages -> old_logp -> update -> sync. Generation, the
 old_logp replay, the update and the sync are one call each on the policy pair
-(qarl.train.setup.Policy: its engine, its learner `qarl.train.learner.Learner`, its sync);
+(qarl.train.policy.Policy: its engine, its learner `qarl.train.learner.Learner`, its sync);
 the other phases are here, each taking only what it needs, with the `Experience` the update
 takes. Every phase's metrics are a flat dict of floats keyed `group/name`.
 """
@@ -53,7 +53,7 @@ class Experience:
     # MoE: the experts the learner's own routers chose in the old_logp replay, as
     # batch.routed_experts ([N, P + L, moe_layers, k] int16); None for a dense model
     learner_routing: Tensor | None = None
-    # the rows a replay computed (qarl.train.audit: all of them, or the audited ones where
+    # the rows a replay computed (qarl.train.learner.audit: all of them, or the audited ones where
     # old_logp is the sampler's by construction) [n] int64, and their replayed logprobs
     # [n, L] float32; None: every row, old_logp itself
     replayed_rows: Tensor | None = None

@@ -22,7 +22,7 @@ from qarl.config import RunConfig
 from qarl.model import DTYPES, CausalLM, load_model, load_tokenizer, save_model
 from qarl.paths import cache_lock, qarl_home
 from qarl.rollout.engine import left_pad
-from qarl.train.logprobs import response_logprobs
+from qarl.train.learner.logprobs import response_logprobs
 from qarl.train.signals import check_stop
 from qarl.types import RolloutBatch
 
@@ -68,7 +68,7 @@ def chat_end_id(tokenizer) -> int:
 
 
 def run_sft(config: RunConfig, model: CausalLM, log=print) -> CausalLM:
-    from qarl.train.setup import prompt_side
+    from qarl.train.data import prompt_side
 
     tokenizer = load_tokenizer(config.model.name)
     task, encoder = prompt_side(config, tokenizer)

@@ -30,7 +30,7 @@ from qarl.quant.digests import digest_mismatches, state_digests
 
 
 class WeightSync:
-    """`adapters`: the learner's LoRA tensor names (qarl.quant.lora): after the first push,
+    """`adapters`: the learner's LoRA tensor names (qarl.lora.layers): after the first push,
     which gives the engine the whole (frozen) base, only those go to the engine."""
 
     def __init__(self, learner, engine, check: bool = True, adapters: list[str] = ()):

@@ -30,19 +30,17 @@ from qarl.train.guards import (
     out_of_memory_message,
 )
 from qarl.parallel.ranks import LearnerRankDied
-from qarl.train.follow import learner_on_ranks
-from qarl.train.learner import AlignedLearner, own_forward_values
+from qarl.train.data import Data, sampling_params
+from qarl.train.folder import open_run
+from qarl.train.learner.follow import learner_on_ranks
 from qarl.train.metrics import MetricsLogger
 from qarl.train.monitors import Monitors
 from qarl.train.phases import (
     Experience, PhaseTimer, compute_advantages, reward_metrics, reward_responses,
     sample_metrics, train_examples,
 )
-from qarl.train.precision import (
-    describe_compute, describe_quant_backward, quant_backward_of, resolve_compute_dtype,
-)
+from qarl.train.policy import Policy
 from qarl.train.resume import ResumePoint, resume_point
-from qarl.train.setup import Data, Policy, open_run, sampling_params
 from qarl.train.sft import warm_start
 from qarl.train.signals import StopRequested, check_stop, stop_on_signals
 from qarl.train.summary import finish_run
@@ -65,7 +63,7 @@ def rl_step(policy: Policy, data: Data, config: RunConfig, step: int) -> dict[st
         scored, completions = reward_responses(data.tokenizer, data.rewards, examples, batch, G)
     advantages, rows, group_metrics = compute_advantages(scored.rewards, batch, config.algo, G)
     check_stop()
-    with timer("old_logp"):  # a replay, or an audit of one where it is exact (train/audit.py)
+    with timer("old_logp"):  # a replay, or an audit of one where it is exact (learner/audit.py)
         old = policy.audit.old_logp(policy.learner, batch, sampling, seed, step)
     exp = Experience(batch, sampling, old.logp, advantages, rows, old.routing,
                      old.replayed_rows, old.replayed_logp)
@@ -166,28 +164,11 @@ class Loop:
         self.log.write(contract)
         if resume_from is not None:
             self.log.write(f"resumed from {resume_from} at step {self.done}")
-        requested = self.config.train.compute_dtype
-        device = self.policy.device
-        model = getattr(getattr(self.policy.learner, "inner", self.policy.learner), "model", None)
-        backward = None if model is None else quant_backward_of(model)
-        self.log.write(f"learner on {device}, gradient pass: "
-                       + describe_compute(resolve_compute_dtype(requested, device), requested,
-                                        device)
-                       + ("" if backward is None else "; " + describe_quant_backward(
-                           backward, self.config.train.quant_backward, self.config.quant.scheme,
-                           device)))
+        passes = self.policy.learner.passes
+        self.log.write(f"learner on {self.policy.device}, gradient pass: "
+                       + passes.precision.describe())
         if self.config.train.logp_path == "forward":
-            learner = getattr(self.policy.learner, "inner", self.policy.learner)  # ranks
-            later = ("read from its own gradient forward, which computes the same bits"
-                     if own_forward_values(learner, self.config.train)
-                     else "that forward again")
-            ahead = isinstance(learner, AlignedLearner) and learner.reads_ahead()
-            first = (" (the first micro-batch's: the values of the update's first gradient "
-                     "forward, run ahead)" if ahead else "")
-            self.log.write("logp values (train.logp_path = 'forward'): old_logp by the "
-                           "learner's teacher-forced forward without grad, "
-                           f"{self.config.train.micro_batch_size} rows at a time{first}, not "
-                           f"the decode-path replay; each later optimizer step's: {later}")
+            self.log.write(passes.values_line())
         self.rng = checkpoint.capture_rng()  # the state a checkpoint of `done` steps holds
 
     def run(self) -> tuple[dict | None, dict]:

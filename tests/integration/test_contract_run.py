@@ -13,7 +13,7 @@ import pytest
 from qarl.quant import quant_layers
 from qarl.train.budgets import Budget
 from qarl.rollout import LocalEngine
-from qarl.train import setup, trainer
+from qarl.train import policy as setup, trainer
 from qarl.train.guards import TrainingAborted
 from qarl.train.trainer import train
 

@@ -224,7 +224,7 @@ def test_a_dying_rank_ends_the_run_with_the_checkpoint_intact(tmp_path):
     while latest(run_dir) is None and run.poll() is None:
         time.sleep(0.5)
     followers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit()
-                 and b"qarl.train.follow" in _cmdline(pid)]
+                 and b"qarl.train.learner.follow" in _cmdline(pid)]
     assert followers, "no follower rank process found"
     os.kill(followers[0], signal.SIGKILL)
     assert run.wait(timeout=600) != 0

@@ -10,7 +10,7 @@ import torch
 from qarl.config import load_config
 from qarl.report import read_metrics
 from qarl.train.evaluate import evaluate
-from qarl.train.setup import open_run
+from qarl.train.folder import open_run
 from qarl.train.sft import warm_start
 from qarl.train.trainer import train
 

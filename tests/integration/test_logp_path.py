@@ -1,10 +1,9 @@
 """train.logp_path = 'forward': a naive / fake learner's logp values by its teacher-forced
-forward (`qarl.train.logprobs.ForwardScorer`) instead of the decode-path replay."""
+forward (`qarl.train.learner.logprobs.ForwardScorer`) instead of the decode-path replay."""
 
 from __future__ import annotations
 
 import copy
-from functools import partial
 
 import pytest
 import torch
@@ -14,16 +13,16 @@ from safetensors.torch import load_file
 from qarl.config import ConfigError, load_config
 from qarl.quant import SCHEMES
 from qarl.rollout import LocalEngine
-from qarl.train.logprobs import ForwardScorer, response_logprobs
+from qarl.train.learner.logprobs import ForwardScorer, response_logprobs
 from qarl.train.phases import Experience
-from qarl.train.precision import gradient_pass
-from qarl.train.setup import open_run, sampling_params
+from qarl.train.data import sampling_params
+from qarl.train.folder import open_run
 from qarl.train.sft import warm_start
 from qarl.train import train
 from qarl.train.checkpoint import latest
-from qarl.train.learner import AlignedLearner, later_logp, own_forward_values
+from qarl.train.learner import AlignedLearner, Passes, Precision
 from qarl.train.trainer import rl_step
-from qarl.train.update import SOLO, update_policy
+from qarl.train.learner.update import SOLO, update_policy
 from rank_weights import assert_weights_agree
 
 
@@ -60,12 +59,12 @@ def test_forward_values_are_the_gradient_pass_values(tmp_path, align, scheme):
     difference into a whole rounding step on some row."""
     config = _config(tmp_path, **{"quant.align": align, "quant.scheme": scheme})
     with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
-        assert isinstance(policy.learner.replayer, ForwardScorer)
+        assert isinstance(policy.learner.passes.replayer, ForwardScorer)
         batch, sampling = _batch(policy, data, config)
         values, routing = policy.learner.replay(batch, sampling)
         again, _ = policy.learner.replay(batch, sampling)
         model = policy.learner.model
-        with gradient_pass(torch.float32, values.device):
+        with policy.learner.passes.precision.fp32_pass():
             fast = torch.cat([response_logprobs(model, batch.select(torch.arange(s, s + 4)),
                                                 sampling.temperature)[0] for s in (0, 4)])
         decode = LocalEngine.from_tokenizer(model, data.tokenizer).score(batch, sampling)
@@ -91,16 +90,17 @@ def test_a_later_optimizer_step_takes_its_value_from_the_same_pass(tmp_path):
         old = policy.learner.replay(batch, sampling)[0]
         exp = Experience(batch, sampling, old, torch.tensor([1.0, -1.0, 0.5, -0.5] * 2),
                          torch.ones(8, dtype=torch.bool))
-        model = policy.learner.model
+        model, passes = policy.learner.model, policy.learner.passes
         seen = []
 
-        def exact(e, rows):
-            seen.append((rows, later_logp(policy.learner, e, rows)))
+        def later(e, rows):
+            seen.append((rows, passes.values(e, rows)))
             return seen[-1][1]
 
+        passes.later = later
         train = config.train.model_copy(update={"lr": 0.0})
-        metrics = update_policy(model, [torch.optim.SGD(model.parameters(), lr=0.0)], SOLO,
-                                exact, exp, config.algo, train, step=0)
+        metrics = update_policy(passes, [torch.optim.SGD(model.parameters(), lr=0.0)], SOLO,
+                                exp, config.algo, train, step=0)
         decode = LocalEngine.from_tokenizer(model, data.tokenizer).score(batch, sampling)
     mask = batch.response_mask
     (rows, values), = seen  # one later step: the second mini-batch, rows 4-7
@@ -114,12 +114,19 @@ def _update(policy, exp, config, rescore: bool):
     """The weights one update at lr 1e-3 leaves on a copy of `policy`'s learner: a later step's
     logp value by its own gradient forward, or (`rescore`) by a second forward without grad."""
     model = copy.deepcopy(policy.learner.model)
-    learner = AlignedLearner(model, [torch.optim.AdamW(model.parameters(), lr=1e-3)],
-                             ForwardScorer(model, config.train.micro_batch_size))
-    exact = partial(later_logp, learner) if rescore else None
+    precision = policy.learner.passes.precision
+    passes = Passes(model, ForwardScorer(model, config.train.micro_batch_size, precision),
+                    precision, config.train)
+    passes.own_values = not rescore
     train = config.train.model_copy(update={"lr": 1e-3})
-    update_policy(model, learner.optimizers, SOLO, exact, exp, config.algo, train, step=0)
+    update_policy(passes, [torch.optim.AdamW(model.parameters(), lr=1e-3)], SOLO, exp,
+                  config.algo, train, step=0)
     return model.state_dict()
+
+
+def _passes(learner, train, quant):
+    """`learner`'s passes as a learner of `train` would hold them (same model and scorer)."""
+    return Passes(learner.model, learner.passes.replayer, Precision.of(train, quant), train)
 
 
 def test_a_later_step_reading_its_own_forward_is_the_same_update(tmp_path, monkeypatch):
@@ -133,7 +140,7 @@ def test_a_later_step_reading_its_own_forward_is_the_same_update(tmp_path, monke
         batch, sampling = _batch(policy, data, config)
         exp = Experience(batch, sampling, learner.replay(batch, sampling)[0],
                          torch.tensor([1.0, -1.0, 0.5, -0.5] * 2), torch.ones(8, dtype=torch.bool))
-        assert own_forward_values(learner, config.train)
+        assert learner.passes.own_values
         scored = []
         monkeypatch.setattr(ForwardScorer, "score_part", lambda self, *a, **k: scored.append(1))
         learner.update(exp, config.algo, config.train, step=0)
@@ -141,12 +148,12 @@ def test_a_later_step_reading_its_own_forward_is_the_same_update(tmp_path, monke
         monkeypatch.undo()
         own, rescored = (_update(policy, exp, config, rescore) for rescore in (False, True))
         bf16 = config.train.model_copy(update={"compute_dtype": "bfloat16"})
-        assert not own_forward_values(learner, bf16)
+        assert not _passes(learner, bf16, config.quant).own_values
     assert own.keys() == rescored.keys()
     assert all(torch.equal(own[k], rescored[k]) for k in own)
     lora = _config(tmp_path, **{"lora.rank": 4, "run.name": "lora"})
     with open_run(lora, learner=copy.deepcopy(warm_start(lora))) as (_, policy, _):
-        assert not own_forward_values(policy.learner, lora.train)
+        assert not policy.learner.passes.own_values
 
 
 def test_a_fake_step_with_forward_values(tmp_path):
@@ -214,11 +221,13 @@ def test_the_old_logp_phase_runs_the_updates_first_forward_ahead(tmp_path, monke
     with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
         batch, sampling = _batch(policy, data, config)
         learner = policy.learner
-        plain = AlignedLearner(copy.deepcopy(learner.model), [], None, train=config.train)
-        plain.optimizers = [torch.optim.AdamW(plain.model.parameters(), lr=1e-3)]
-        plain.replayer = ForwardScorer(plain.model, config.train.micro_batch_size)
+        model, precision = copy.deepcopy(learner.model), learner.passes.precision
+        plain = AlignedLearner(Passes(model, ForwardScorer(model, config.train.micro_batch_size,
+                                                           precision), precision, config.train,
+                                      solo=False),
+                               [torch.optim.AdamW(model.parameters(), lr=1e-3)])
         learner.optimizers = [torch.optim.AdamW(learner.model.parameters(), lr=1e-3)]
-        assert learner.reads_ahead()
+        assert learner.passes.reads_ahead and not plain.passes.reads_ahead
         scored, forwards = [], []
         score_part = ForwardScorer.score_part
         monkeypatch.setattr(ForwardScorer, "score_part", lambda self, b, s, rows, *a, **k: (
@@ -227,10 +236,9 @@ def test_the_old_logp_phase_runs_the_updates_first_forward_ahead(tmp_path, monke
         assert scored == [range(4, 8)]  # rows 0-3: the update's first forward, run ahead
         reference, _ = plain.replay(batch, sampling)
         assert routing is None and not old.requires_grad and torch.equal(old, reference)
-        import qarl.train.update as update
-        gradient_forward = update.gradient_forward
-        monkeypatch.setattr(update, "gradient_forward", lambda *a, **k: (
-            forwards.append(1), gradient_forward(*a, **k))[1])
+        gradient = Passes.gradient
+        monkeypatch.setattr(Passes, "gradient", lambda *a, **k: (
+            forwards.append(1), gradient(*a, **k))[1])
         train = config.train.model_copy(update={"lr": 1e-3})
         for who in (learner, plain):
             exp = Experience(batch, sampling, old, advantages, torch.ones(8, dtype=torch.bool))
@@ -241,14 +249,15 @@ def test_the_old_logp_phase_runs_the_updates_first_forward_ahead(tmp_path, monke
                                                       for k in ahead)
         # a kept forward is read only by the update of its own batch
         learner.replay(batch, sampling, for_update=True)
-        assert learner._ahead is not None
+        assert learner.passes._ahead is not None
         other = Experience(batch.select(torch.arange(8)), sampling, old, advantages,
                            torch.ones(8, dtype=torch.bool))
         forwards.clear()
         learner.update(other, config.algo, train, step=1)
-        assert forwards == [1, 1] and learner._ahead is None
+        assert forwards == [1, 1] and learner.passes._ahead is None
         scored.clear()
-        learner.train = config.train.model_copy(update={"compute_dtype": "bfloat16"})
-        assert not learner.reads_ahead()
-        learner.replay(batch, sampling, for_update=True)
-        assert scored == [range(0, 8)] and learner._ahead is None
+        bf16 = _passes(learner, config.train.model_copy(update={"compute_dtype": "bfloat16"}),
+                       config.quant)
+        assert not bf16.reads_ahead
+        bf16.replay(batch, sampling, for_update=True)
+        assert scored == [range(0, 8)] and bf16._ahead is None

@@ -11,7 +11,7 @@ from qarl import native as nat
 from qarl.config import load_config
 from qarl.quant import QWeight, export_state, quant_layers
 from qarl.quant import kernels as K
-from qarl.train.setup import open_run
+from qarl.train.folder import open_run
 from qarl.train.sft import warm_start
 from qarl.train.trainer import rl_step
 
@@ -59,7 +59,7 @@ def test_the_update_runs_without_the_rollouts_packs(tmp_path):
 
         def recording_update(*args):
             held.append((len(policy.engine._planner._packs),
-                         len(policy.learner.replayer._planner._packs)))
+                         len(policy.learner.passes.replayer._planner._packs)))
             return update(*args)
 
         policy.learner.update = recording_update
@@ -74,13 +74,14 @@ def _replayed_rows(tmp_path, **extra) -> tuple[list[int], dict[str, float]]:
     config = _config(tmp_path, **extra)
     with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
         replayed_rows = []
-        replay = policy.learner.replay  # old_logp's replay and the update's later epochs'
+        replayer = policy.learner.passes.replayer  # old_logp's and the later steps' values
+        score = replayer.score_routing
 
-        def counting_replay(batch, sampling, for_update=False):
+        def counting_score(batch, sampling, replay=False):
             replayed_rows.append(batch.num_sequences)
-            return replay(batch, sampling, for_update)
+            return score(batch, sampling, replay=replay)
 
-        policy.learner.replay = counting_replay
+        replayer.score_routing = counting_score
         metrics = rl_step(policy, data, config, step=STEP)
     return replayed_rows, metrics
 

@@ -17,7 +17,7 @@ from qarl.config import ConfigError, load_config
 from qarl.errors import UserError
 from qarl.export import export_run
 from qarl.export.run import load_master, read_run
-from qarl.quant.lora import lora_layers
+from qarl.lora.layers import lora_layers
 from qarl.report import read_metrics
 from qarl.train.checkpoint import latest
 from qarl.train.sft import warm_start

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from qarl.config import load_config
-from qarl.train.setup import open_run
+from qarl.train.folder import open_run
 from qarl.train.trainer import rl_step
 
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from qarl.config import load_config
 from qarl.report import read_metrics
-from qarl.train.setup import open_run
+from qarl.train.folder import open_run
 from qarl.train.sft import warm_start
 from qarl.train.trainer import rl_step, train
 
@@ -185,7 +185,7 @@ def test_zero_learning_rate_keeps_codes_and_exact_parity(tmp_path):
 def test_one_process_per_run_folder(tmp_path):
     """A second run in the folder of a live run fails at once with a message that says what
     to do; once the first run is closed the folder is free again."""
-    from qarl.train.setup import lock_run_dir
+    from qarl.train.folder import lock_run_dir
 
     with open_run(load_config("tiny", _overrides(tmp_path))) as (folder, _, _):
         with pytest.raises(RuntimeError, match="another qarl process is running in .*--run.name"):

@@ -194,7 +194,7 @@ def test_a_planted_infinite_learning_rate_skips_the_step(tmp_path, monkeypatch):
     """An lr the schedule turns infinite (a planted bug: the recipe refuses inf) skips the
     step like a non-finite loss: guard/nonfinite = 1, weights and optimizer state untouched,
     and the run goes on; the final weights are finite."""
-    import qarl.train.update as update
+    import qarl.train.learner.update as update
     from qarl.report import read_metrics
 
     real = update.learning_rate

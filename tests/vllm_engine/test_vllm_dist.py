@@ -17,7 +17,9 @@ from qarl.config import load_config  # noqa: E402
 from qarl.parallel import RayEngines  # noqa: E402
 from qarl.quant import export_state  # noqa: E402
 from qarl.train.phases import train_examples  # noqa: E402
-from qarl.train.setup import build_engine, open_run, sampling_params  # noqa: E402
+from qarl.train.data import sampling_params
+from qarl.train.folder import open_run
+from qarl.train.policy import build_engine  # noqa: E402
 from qarl.train.sft import warm_start  # noqa: E402
 
 FIELDS = ["prompt_ids", "prompt_mask", "response_ids", "response_mask", "rollout_logp"]

@@ -42,7 +42,8 @@ def test_a_closed_engine_collected_later_leaves_the_next_one_running(tmp_path):
     from vllm.distributed.parallel_state import model_parallel_is_initialized
 
     from qarl.config import load_config
-    from qarl.train.setup import build_engine, sampling_params
+    from qarl.train.data import sampling_params
+    from qarl.train.policy import build_engine
 
     config = load_config("tiny", {"run.output_dir": str(tmp_path), "rollout.engine": "vllm",
                                   "quant.align": "fake", "rollout.max_new_tokens": 4})

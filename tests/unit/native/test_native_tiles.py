@@ -155,12 +155,12 @@ def test_token_logp_matches_torch_and_its_gradient(dtype, temperature):
 
 
 def test_learner_logprobs_take_the_native_kernel_with_the_same_values():
-    """The learner's chunked logprobs (`qarl.train.logprobs`) run on the native kernel on the
-    CPU: the same logp and entropy as the PyTorch ops to fp32 rounding, and the same hidden-state
+    """The learner's chunked logprobs (`qarl.train.learner.logprobs`) run on the native kernel on
+    the CPU: the same logp and entropy as the PyTorch ops to fp32 rounding, and the same hidden-state
     gradient to bf16 rounding under a bf16 pass."""
     from torch import nn
 
-    from qarl.train import logprobs as lp
+    from qarl.train.learner import logprobs as lp
 
     torch.manual_seed(0)
     head = nn.Linear(64, 1000, bias=False)

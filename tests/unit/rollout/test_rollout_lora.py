@@ -1,4 +1,4 @@
-"""LoRA adapters on the engine's and the learner's layers (qarl/quant/lora.py): B = 0 is the
+"""LoRA adapters on the engine's and the learner's layers (qarl/lora/layers.py): B = 0 is the
 base model exactly, kernel alignment stays exact with trained adapters in every format (dense
 and MoE experts), an adapters-only push reaches the engine, and only adapters train."""
 
@@ -12,7 +12,7 @@ from torch import nn
 
 import qarl
 from qarl.quant import SCHEMES, QuantLinear, export_state, load_state, quantize_model, release_masters
-from qarl.quant.lora import (
+from qarl.lora.layers import (
     LoraLinear, LoraQuantLinear, adapter_state, attach_lora, lora_names, merged_weights,
     remove_adapters,
 )

@@ -80,7 +80,7 @@ def test_routing_table_marks_what_never_counts(moe_model, make_model):
 def test_full_sequence_forward_matches_decode_path(moe_model):
     """The learner's full-sequence forward (response_logprobs) on a MoE model agrees with the
     engine's decode path within fp32 summation-order rounding (1e-4 nats)."""
-    from qarl.train.logprobs import response_logprobs
+    from qarl.train.learner.logprobs import response_logprobs
 
     model = moe_model()
     batch = qarl.LocalEngine(model, eos_token_ids=(2,)).generate(PROMPTS, SAMPLING, seed=4)

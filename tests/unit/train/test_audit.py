@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from qarl.train.audit import ReplayAudit, audited_rows
+from qarl.train.learner.audit import ReplayAudit, audited_rows
 from qarl.types import RolloutBatch, SamplingParams
 
 N, P, L = 16, 3, 5

@@ -18,7 +18,7 @@ from qarl.config import ConfigError, load_config
 from qarl.model.sources import load_model, load_skeleton
 from qarl.quant import quantize_model
 from qarl.train import checkpoint
-from qarl.train.optim import build_optimizer
+from qarl.train.learner.optim import build_optimizer
 from qarl.types import RolloutBatch
 
 META = torch.device("meta")

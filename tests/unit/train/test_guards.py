@@ -18,7 +18,7 @@ from qarl.train.guards import (
     BadStepGuard, NonFiniteWeights, RunStopped, TrainingAborted, check_weights,
     is_out_of_memory, out_of_memory_message,
 )
-from qarl.train.update import optimizer_step
+from qarl.train.learner.update import optimizer_step
 from qarl.train.resume import check_resumable, resume_config
 from qarl.train.signals import StopRequested, check_stop, stop_on_signals
 

@@ -9,7 +9,7 @@ import torch
 
 from qarl.model import load_model
 from qarl.model.cache import SharedPrefixCache
-from qarl.train import logprobs as LP
+from qarl.train.learner import logprobs as LP
 from qarl.types import RolloutBatch
 
 N, P, L = 8, 6, 5

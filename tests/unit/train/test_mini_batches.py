@@ -10,9 +10,11 @@ import torch
 from qarl.config import load_config
 from qarl.rollout import LocalEngine
 from qarl.train.phases import Experience
-from qarl.train.setup import open_run, sampling_params
+from qarl.train.data import sampling_params
+from qarl.train.folder import open_run
 from qarl.train.sft import warm_start
-from qarl.train.update import SOLO, mini_batches, update_policy
+from qarl.train.learner import Passes
+from qarl.train.learner.update import SOLO, mini_batches, update_policy
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -35,12 +37,11 @@ def test_mini_batch_rows_are_consecutive_equal_parts():
 
 def _update(policy, data, exp, config, parts: int):
     model = copy.deepcopy(policy.learner.model)
-    replayer = LocalEngine.from_tokenizer(model, data.tokenizer)
+    passes = Passes(model, LocalEngine.from_tokenizer(model, data.tokenizer),
+                    policy.learner.passes.precision, config.train)
     optimizer = RecordingSGD(model.parameters(), lr=0.05)
     train = config.train.model_copy(update={"mini_batches": parts})
-    metrics = update_policy(model, [optimizer], SOLO,
-                            lambda e, rows: replayer.score(e.batch, e.sampling),
-                            exp, config.algo, train, step=0)
+    metrics = update_policy(passes, [optimizer], SOLO, exp, config.algo, train, step=0)
     return optimizer.seen, metrics
 
 

@@ -13,7 +13,7 @@ from qarl.config import ConfigError, load_config
 from qarl.model import load_model, moe
 from qarl.quant import QWeight, export_state, quantize_model
 from qarl.train import checkpoint
-from qarl.train.logprobs import response_logprobs
+from qarl.train.learner.logprobs import response_logprobs
 
 SAMPLING = qarl.SamplingParams(max_new_tokens=8, temperature=1.0)
 

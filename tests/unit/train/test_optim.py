@@ -1,4 +1,4 @@
-"""qarl.train.optim: which parameters each optimizer trains, and the learning-rate schedule."""
+"""qarl.train.learner.optim: which parameters each optimizer trains, and the learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from qarl.model import CausalLM
 from qarl.model.config import ModelConfig
 from qarl.quant import QuantLinear, quantize_model
-from qarl.train.optim import build_optimizer, learning_rate, muon_parameter_names, set_learning_rate
+from qarl.train.learner.optim import build_optimizer, learning_rate, muon_parameter_names, set_learning_rate
 
 
 @pytest.fixture(scope="module")

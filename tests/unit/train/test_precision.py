@@ -10,7 +10,7 @@ import torch
 from qarl.config import load_config
 from qarl.quant import kernels as K
 from qarl.native import isa
-from qarl.train import precision
+from qarl.train.learner import precision
 
 
 @pytest.mark.parametrize("flags, want", [
@@ -53,9 +53,11 @@ def test_cpu_fp32_gemm_library_by_vendor_and_environment(monkeypatch, vendor, fl
     monkeypatch.setenv(K.CPU_GEMM_ENV, env)
     assert K.cpu_fp32_gemm(torch.device("cpu")) == want
     assert K.cpu_fp32_gemm(torch.device("meta")) is None
-    assert isinstance(precision.gradient_pass(torch.float32, torch.device("cpu")),
-                      precision.LearnerLinears) == (want == "onednn")
-    line = precision.describe_compute(torch.float32, "auto", torch.device("cpu"))
+    config = load_config("tiny", {"train.compute_dtype": "float32"})
+    fp32 = precision.Precision.of(config.train, config.quant)  # resolved once, held
+    assert fp32.gemm == want
+    assert isinstance(fp32.gradient_pass(), precision.LearnerLinears) == (want == "onednn")
+    line = fp32.describe()
     assert ("GEMMs by oneDNN" in line) == (want == "onednn")
     monkeypatch.setenv(K.CPU_GEMM_ENV, "blas")
     with pytest.raises(ValueError, match=r"QARL_CPU_GEMM='blas'; valid: \['mkl', 'onednn'\]"):
@@ -121,14 +123,21 @@ def test_auto_backward_on_codes_where_the_int8_gemm_is_the_fast_one(
     assert ("int8 GEMM" in line) == (want == "codes" and scheme == "w8a8-int8")
 
 
-def test_quantize_learner_sets_every_quantized_layer_backward():
+def test_a_learner_takes_its_precisions_backward_on_every_quantized_layer():
+    """`learner_model` applies the run's Precision (train.quant_backward resolved) to every
+    quantized layer; `quantize_learner` alone (a learner that does not train: qarl parity)
+    leaves the float backward; the Precision of a naive or identity learner has none."""
     from qarl.model import load_model
     from qarl.quant import QuantLinear
-    from qarl.train.setup import quantize_learner
+    from qarl.train.policy import learner_model, quantize_learner
 
     config = load_config("tiny", {"train.quant_backward": "codes"})
-    model = quantize_learner(load_model("tiny"), config.quant, config.train)
+    model, _ = learner_model(load_model("tiny"), config, precision.Precision.of(config.train,
+                                                                               config.quant))
     backwards = {m.backward for m in model.modules() if isinstance(m, QuantLinear)}
     assert backwards == {"codes"}
+    for quant in ({"quant.align": "naive"}, {"quant.scheme": "none"}):
+        other = load_config("tiny", quant)
+        assert precision.Precision.of(other.train, other.quant).quant_backward is None
     plain = quantize_learner(load_model("tiny"), config.quant)  # not a training learner
     assert {m.backward for m in plain.modules() if isinstance(m, QuantLinear)} == {"float"}

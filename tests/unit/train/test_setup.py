@@ -8,7 +8,7 @@ from torch import nn
 from qarl.config import QuantSection
 from qarl.model import load_model
 from qarl.quant import SCHEMES, quant_layers
-from qarl.train.setup import engine_copy, quantize_learner
+from qarl.train.policy import engine_copy, quantize_learner
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_prompts_over_the_token_limit_are_counted_at_load(tmp_path, tiny_dir):
     from qarl.config import load_config
     from qarl.errors import UserError
     from qarl.model import load_tokenizer
-    from qarl.train.setup import prompt_side
+    from qarl.train.data import prompt_side
 
     rows = [{"prompt": f"{a} + {a} =", "answer": str(2 * a)} for a in range(60)]
     rows[5]["prompt"] = "1 + " * 200 + "1 ="  # 800 characters, ~600 tokens

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from qarl.errors import UserError
 from qarl.model.names import name_in_memory, name_on_disk
 from qarl.quant import QuantLinear
-from qarl.quant.lora import adapter_state, load_adapters, lora_layers
+from qarl.lora.layers import adapter_state, load_adapters, lora_layers
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

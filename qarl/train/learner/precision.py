@@ -1,4 +1,6 @@
-"""The learner's gradient-pass precision (recipe train.compute_dtype).
+"""The learner's gradient-pass precision: `Precision`, resolved once at set-up from the recipe
+(train.compute_dtype, train.quant_backward) and the machine (its fp32 GEMM library), held by
+the learner and logged at the run's start.
 
 The value of every logp the losses see comes from the exact replay (or the sampler), never
 from the gradient pass (`logprobs.aligned_logprobs`), so the gradient pass may run in a
@@ -17,6 +19,7 @@ fp32 summation order only.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import ContextManager
 
 import torch
@@ -24,11 +27,64 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from qarl.config import QuantSection, TrainSection
 from qarl.native.isa import has_amx_bf16, has_bf16_math
 from qarl.quant import SCHEMES, QuantLinear
 from qarl.quant import kernels as K
-from qarl.quant.linear import BACKWARDS
 from qarl.quant.codes import bf16_fast
+from qarl.quant.linear import BACKWARDS
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What the learner's gradient pass computes in, decided once (`Precision.of`):
+    `compute`, the dtype of its forward under grad (train.compute_dtype); `gemm`, the library
+    of its fp32 GEMMs on the CPU ("onednn" or "mkl": `kernels.cpu_fp32_gemm`; None off the
+    CPU); `quant_backward`, what its quantized layers' backward multiplies ("float" or
+    "codes": train.quant_backward; None where the learner has no quantized layer);
+    `requested`, the two recipe keys as written, for the log."""
+
+    device: torch.device
+    compute: torch.dtype
+    gemm: str | None
+    quant_backward: str | None
+    scheme: str
+    requested: tuple[str, str]  # (train.compute_dtype, train.quant_backward)
+
+    @classmethod
+    def of(cls, train: TrainSection, quant: QuantSection) -> Precision:
+        """The precision of a learner of `quant` trained on train.device."""
+        device = torch.device(train.device)
+        compute = resolve_compute_dtype(train.compute_dtype, device)
+        quantized = not SCHEMES[quant.scheme].is_identity and quant.align != "naive"
+        backward = (resolve_quant_backward(train.quant_backward, quant.scheme, quant.align,
+                                           device, compute) if quantized else None)
+        return cls(device, compute, K.cpu_fp32_gemm(device), backward, quant.scheme,
+                   (train.compute_dtype, train.quant_backward))
+
+    def gradient_pass(self) -> ContextManager:
+        """The context of the forward with grad (and of its recompute in backward)."""
+        if self.compute != torch.float32:
+            return torch.autocast(self.device.type, dtype=self.compute)
+        return self.fp32_pass()
+
+    def fp32_pass(self) -> ContextManager:
+        """An fp32 pass on this machine's learner library: `LearnerLinears` where it is
+        oneDNN, else nothing (torch's own GEMMs)."""
+        return LearnerLinears() if self.gemm == "onednn" else nullcontext()
+
+    def apply(self, model: nn.Module) -> None:
+        """Every quantized layer of `model` takes `quant_backward`."""
+        if self.quant_backward is not None:
+            set_quant_backward(model, self.quant_backward)
+
+    def describe(self) -> str:
+        """The run's start line: what the gradient pass computes in, and why."""
+        line = describe_compute(self.compute, self.requested[0], self.device)
+        if self.quant_backward is None:
+            return line
+        return line + "; " + describe_quant_backward(self.quant_backward, self.requested[1],
+                                                     self.scheme, self.device)
 
 
 def resolve_compute_dtype(requested: str, device: torch.device) -> torch.dtype:
@@ -70,12 +126,6 @@ def set_quant_backward(model: nn.Module, backward: str) -> int:
     return len(layers)
 
 
-def quant_backward_of(model: nn.Module) -> str | None:
-    """What `model`'s quantized layers' backward multiplies (QuantLinear.backward, one value
-    for the whole learner: `set_quant_backward`), or None where it has no quantized layer."""
-    return next((m.backward for m in model.modules() if isinstance(m, QuantLinear)), None)
-
-
 def describe_quant_backward(backward: str, requested: str, scheme: str,
                             device: torch.device = torch.device("cpu")) -> str:
     """The run's start line's part on the quantized layers' backward."""
@@ -87,14 +137,6 @@ def describe_quant_backward(backward: str, requested: str, scheme: str,
     else:
         what = "on the dequantized weight and activations"
     return f"quantized layers' backward {what} (train.quant_backward = {requested!r})"
-
-
-def gradient_pass(dtype: torch.dtype, device: torch.device) -> ContextManager:
-    """The context the gradient forward runs in: autocast to `dtype`; for fp32, the learner's
-    own linears where `kernels.cpu_fp32_gemm` picks oneDNN (`LearnerLinears`), else nothing."""
-    if dtype != torch.float32:
-        return torch.autocast(device.type, dtype=dtype)
-    return LearnerLinears() if K.cpu_fp32_gemm(device) == "onednn" else nullcontext()
 
 
 class _LearnerLinear(torch.autograd.Function):

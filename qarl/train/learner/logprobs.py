@@ -1,4 +1,4 @@
-"""The math of the learner's logprobs (`qarl.train.learner.Learner` holds the learner).
+"""The math of the learner's logprobs (`Passes` runs them: qarl.train.learner.passes).
 
 Two ways to compute logp(response | prompt) for a RolloutBatch:
 
@@ -36,9 +36,9 @@ from torch.utils.checkpoint import checkpoint
 from qarl import native
 from qarl.model.cache import SharedPrefixCache
 from qarl.model.decoder import CausalLM, Packing, Routing, positions_from_mask
-from qarl.quant.lora import lora_names
+from qarl.lora.layers import lora_names
 from qarl.rollout.sampling import token_logprobs
-from qarl.train.precision import gradient_pass, lm_head_logits
+from qarl.train.learner.precision import Precision, lm_head_logits
 from qarl.types import RolloutBatch, SamplingParams
 
 
@@ -160,7 +160,7 @@ def response_logprobs(
 class ForwardScorer:
     """What `Learner.replay` runs under `train.logp_path = 'forward'`: the learner's
     teacher-forced forward of `model` without grad (`response_logprobs`), `rows` rows at a time,
-    in the fp32 gradient pass's context (the machine's fp32 GEMM library). Every call splits a
+    in an fp32 pass on the machine's fp32 GEMM library (`Precision.fp32_pass`). Every call splits a
     batch alike, so two calls at the same weights give the same bits: logp's value at a later
     optimizer step equals old_logp exactly where the weights did not move. It is the value
     verl's `compute_log_prob` and TRL take, and no pass of a `naive` or `fake` learner equals
@@ -168,8 +168,8 @@ class ForwardScorer:
     shapes (docs/training.md). No routing table: a MoE model's routing-disagreement metric
     needs the decode-path replay."""
 
-    def __init__(self, model: CausalLM, rows: int):
-        self.model, self.rows = model, rows
+    def __init__(self, model: CausalLM, rows: int, precision: Precision):
+        self.model, self.rows, self.precision = model, rows, precision
 
     def score_routing(self, batch: RolloutBatch, sampling: SamplingParams,
                       replay: bool = False) -> tuple[Tensor, None]:
@@ -185,7 +185,7 @@ class ForwardScorer:
         device = batch.response_ids.device
         logp = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=device)
         first = rows.start - rows.start % self.rows
-        with torch.no_grad(), gradient_pass(torch.float32, device):
+        with torch.no_grad(), self.precision.fp32_pass():
             for start in range(first, min(N, rows.stop), self.rows):
                 stop = min(N, start + self.rows)
                 sub = batch.select(torch.arange(start, stop, device=device))

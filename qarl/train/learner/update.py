@@ -1,5 +1,5 @@
 """The learner's update: `algo.epochs` epochs of micro-batched backward passes, each ended by
-one optimizer step, with the guards. `qarl.train.learner.Learner.update` runs it.
+one optimizer step, with the guards. `Learner.update` runs it (qarl.train.learner.learner).
 
 One function serves every learner. What differs between one process and learner ranks is
 only which micro-batches a rank computes and how sums cross ranks, and that is a
@@ -9,8 +9,9 @@ process and on M ranks.
 
 The loss is aggregated with counts of the WHOLE batch (`global_counts`), so how the batch is
 split into micro-batches (or ranks) does not change the update. logp takes its value from
-the engine's decode path (`exact`) and its gradient from the fast forward
-(`aligned_logprobs`). Guards: no advantage to learn from (every one 0) is a no-op
+the value pass and its gradient from the gradient forward (`aligned_logprobs`), both owned by
+the learner's `Passes` (qarl.train.learner.passes), which also says where a later optimizer
+step's value comes from. Guards: no advantage to learn from (every one 0) is a no-op
 (`guard/no_signal`); a non-finite loss, gradient or optimizer setting drops the epoch's step
 and ends the update (`guard/nonfinite`): weights and optimizer state stay as they were; a
 step that leaves weights non-finite all the same raises `NonFiniteWeights`.
@@ -19,8 +20,6 @@ step that leaves weights non-finite all the same raises `NonFiniteWeights`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from functools import partial
 from typing import Protocol
 
 import torch
@@ -28,13 +27,11 @@ from torch import Tensor
 
 from qarl.algo import LOSSES, Correction, apply_corrections, global_counts, metrics_to_floats
 from qarl.config import AlgoSection, TrainSection
-from qarl.model.decoder import checkpointed_layers
 from qarl.train.guards import check_weights, settings_finite
-from qarl.train.logprobs import aligned_logprobs, response_logprobs
-from qarl.train.optim import learning_rate, set_learning_rate
+from qarl.train.learner.logprobs import aligned_logprobs
+from qarl.train.learner.optim import learning_rate, set_learning_rate
+from qarl.train.learner.passes import Passes
 from qarl.train.phases import Experience
-from qarl.train.precision import gradient_pass, resolve_compute_dtype
-from qarl.types import RolloutBatch, SamplingParams
 
 
 class Collectives(Protocol):
@@ -114,59 +111,23 @@ def mini_batches(n: int, parts: int) -> list[range]:
     return [range(j * size, (j + 1) * size) for j in range(parts)]
 
 
-def gradient_forward(module: torch.nn.Module, sub: RolloutBatch, temperature: float,
-                     compute: torch.dtype, routing_replay: bool = False) -> tuple[Tensor, Tensor]:
-    """The gradient forward of one micro-batch `sub`: (logp [n, L] float32 with grad, entropy
-    [n, L]) in the gradient pass of `compute` (qarl.train.precision)."""
-    with gradient_pass(compute, sub.response_ids.device):
-        return response_logprobs(module, sub, temperature, routing_replay=routing_replay)
-
-
-def forward_ahead(module: torch.nn.Module, batch: RolloutBatch, sampling: SamplingParams,
-                  train: TrainSection) -> tuple[Tensor, Tensor]:
-    """The gradient forward of the update's first micro-batch (rows 0 .. micro_batch_size-1),
-    run ahead of the update by the old_logp phase, which reads its values as those rows'
-    old_logp where it computes the scorer's bits (`AlignedLearner.replay`); the update's first
-    optimizer step then backpropagates it instead of running it again (`update_policy`,
-    `ahead`). It runs as the update would run it: train mode, the gradient pass of
-    train.compute_dtype, the layers checkpointed where train.gradient_checkpointing (the
-    recompute in backward takes the same context)."""
-    device = batch.response_ids.device
-    compute = resolve_compute_dtype(train.compute_dtype, device)
-    recompute = partial(gradient_pass, compute, device) if train.gradient_checkpointing else None
-    idx = torch.arange(min(batch.num_sequences, train.micro_batch_size), device=device)
-    module.train()
-    try:
-        with checkpointed_layers(module, recompute):
-            return gradient_forward(module, batch.select(idx), sampling.temperature, compute)
-    finally:
-        module.eval()
-
-
-def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-                  group: Collectives, exact: Callable[[Experience, range], Tensor] | None,
-                  exp: Experience, algo: AlgoSection, train: TrainSection, step: int,
-                  routing_replay: bool = False,
-                  ahead: tuple[Tensor, Tensor] | None = None) -> dict[str, float]:
-    """Train `module` with `optimizers` on `exp` (module docstring): `algo.epochs` passes over
-    the batch, each `train.mini_batches` optimizer steps on consecutive parts of its rows.
-    `exact(exp, rows)`: logp by the pass old_logp came from (the engine's decode path on the
-    whole batch, or the teacher-forced forward of `rows`' micro-batches: train.logp_path)
-    with the current weights, [N, L] float32 of which the optimizer step of `rows` reads its
-    rows: the value of logp at every optimizer step after the first (the
-    first uses exp.old_logp, the same value, since the weights have not moved yet). None:
-    that pass is the gradient forward itself (`ForwardScorer.is_gradient_pass`), so a later
-    step takes logp's value from its own forward and runs no second one. `ahead`: the first
-    micro-batch's gradient forward, already run by the old_logp phase (`forward_ahead`): the
-    first optimizer step backpropagates it instead of running it again."""
+def update_policy(passes: Passes, optimizers: list[torch.optim.Optimizer], group: Collectives,
+                  exp: Experience, algo: AlgoSection, train: TrainSection,
+                  step: int) -> dict[str, float]:
+    """Train `passes.model` with `optimizers` on `exp` (module docstring): `algo.epochs` passes
+    over the batch, each `train.mini_batches` optimizer steps on consecutive parts of its rows.
+    logp's value at the first optimizer step is exp.old_logp (the learner is still the policy
+    old_logp came from); at every later one `passes.later` (the value pass with the weights
+    the steps before it left, or the gradient forward's own). The first micro-batch's gradient
+    forward may already have run (`passes.take_ahead`)."""
     lr = learning_rate(step, train.steps, train.lr, train.min_lr, train.warmup_steps, train.lr_schedule)
+    ahead = passes.take_ahead(exp.batch)
     if not bool(exp.advantages[exp.rows].any()):
         # Every loss is advantage-weighted: its gradient is exactly 0, so nothing to compute.
         return {"policy/lr": lr, "guard/no_signal": 1.0, "guard/nonfinite": 0.0,
                 "policy/skipped_steps": 0.0}
     correction, params = loss_setup(algo, exp)
-    device = next(module.parameters()).device
-    compute = resolve_compute_dtype(train.compute_dtype, device)
+    module = passes.model
     set_learning_rate(optimizers, lr)
     totals: dict[str, float] = {"guard/no_signal": 0.0, "guard/nonfinite": 0.0}
     skipped = steps = 0
@@ -175,23 +136,13 @@ def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
     parts = mini_batches(exp.batch.num_sequences, train.mini_batches)
     counts = {rows: step_counts(algo, exp, correction, params, rows) for rows in parts}
     module.train()
-    recompute = partial(gradient_pass, compute, device) if train.gradient_checkpointing else None
-    with checkpointed_layers(module, recompute):
+    with passes.checkpointed():
         for epoch, rows in ((e, r) for e in range(algo.epochs) for r in parts):
-            # logp's value always comes from the pass old_logp came from (`exact`): a
-            # decode-path replay of the WHOLE batch (the shape it was sampled with: a
-            # micro-batch replay is not exact, and on smollm2 W8A8 the activation quantizers
-            # amplify that to ~0.1 nats), or with train.logp_path = 'forward' the teacher-
-            # forced forward of this step's micro-batches, split as old_logp's was. At the
-            # first step the learner is still the policy old_logp came from; every later step
-            # runs that pass once with the weights the steps before it left (or, where the
-            # gradient forward computes its bits, reads that forward's own value: None).
-            values = exp.old_logp if steps == 0 else None if exact is None else exact(exp, rows)
+            values = exp.old_logp if steps == 0 else passes.later(exp, rows)
             steps += 1
             entropy_sum, entropy_count, finite = accumulate_gradients(
-                module, exp, values, algo, correction, {**params, **counts[rows]}, rows,
-                train.micro_batch_size, group, totals, routing_replay, compute,
-                ahead if steps == 1 else None)
+                passes, exp, values, algo, correction, {**params, **counts[rows]}, rows, group,
+                totals, ahead if steps == 1 else None)
             finite = group.all_true(finite)
             group.sum_gradients(module)
             entropy_sum, entropy_count = group.sum_floats([entropy_sum, entropy_count])
@@ -217,31 +168,29 @@ def update_policy(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
     return totals
 
 
-def accumulate_gradients(module: torch.nn.Module, exp: Experience, exact: Tensor | None,
+def accumulate_gradients(passes: Passes, exp: Experience, values: Tensor | None,
                          algo: AlgoSection, correction: Correction, params: dict, rows: range,
-                         micro_batch_size: int, group: Collectives, totals: dict[str, float],
-                         routing_replay: bool = False, compute: torch.dtype = torch.float32,
+                         group: Collectives, totals: dict[str, float],
                          ahead: tuple[Tensor, Tensor] | None = None) -> tuple[float, int, bool]:
     """One optimizer step's backward passes over this rank's micro-batches of `rows` (its
     mini-batch); adds each loss metric (weighted by its share of the rows and epochs) to
     `totals`. Returns (entropy sum, response tokens, every loss finite); stops at the first
     non-finite loss, except where every rank must run every backward (`group.lockstep`: the
-    step is dropped all the same). `compute`: the gradient pass's dtype
-    (qarl.train.precision); logp's value is `exact`'s (None: the gradient forward's own).
-    `ahead`: the first micro-batch's gradient forward, already run (`forward_ahead`)."""
+    step is dropped all the same). logp's value is `values`' (None: the gradient forward's
+    own). `ahead`: the first micro-batch's gradient forward, already run."""
     batch, N = exp.batch, exp.batch.num_sequences
     device = exp.old_logp.device
+    size = passes.micro_batch_size
     entropy_sum, entropy_count, finite = 0.0, 0, True
-    for start in group.micro_batches(range(rows.start, rows.stop, micro_batch_size)):
-        idx = torch.arange(start, min(rows.stop, start + micro_batch_size), device=device)
+    for start in group.micro_batches(range(rows.start, rows.stop, size)):
+        idx = torch.arange(start, min(rows.stop, start + size), device=device)
         sub = batch.select(idx)
         if ahead is not None and start == rows.start:
             fast, entropy = ahead
         else:
-            fast, entropy = gradient_forward(module, sub, exp.sampling.temperature, compute,
-                                             routing_replay)
-        # value: exact; gradient: fast
-        logp = fast if exact is None else aligned_logprobs(fast, exact[idx])
+            fast, entropy = passes.gradient(sub, exp.sampling.temperature)
+        # value: values (the value pass's); gradient: fast
+        logp = fast if values is None else aligned_logprobs(fast, values[idx])
         loss, metrics = LOSSES[algo.loss](
             logp, exp.old_logp[idx], sub.rollout_logp, exp.advantages[idx], correction.mask[idx],
             is_weights=correction.weights[idx], **params,

@@ -1,4 +1,4 @@
-"""PEFT LoRA folders (qarl/export/peft.py): what is written, read back exactly (Mixtral experts
+"""PEFT LoRA folders (qarl/lora/peft.py): what is written, read back exactly (Mixtral experts
 under their on-disk names), and every folder qarl cannot run refused by name."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import torch
 from safetensors.torch import load_file
 
 from qarl.errors import UserError
-from qarl.export.peft import (
+from qarl.lora.peft import (
     config_problems, fit_problems, import_peft, read_config, target_modules, write_peft,
 )
 from qarl.model import CausalLM, ModelConfig
 from qarl.quant import quantize_model
-from qarl.quant.lora import adapter_state, attach_lora
+from qarl.lora.layers import adapter_state, attach_lora
 
 
 def _model(family: str = "qwen3", **extra) -> CausalLM:

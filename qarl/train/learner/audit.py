@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from qarl.train.learner import Learner
+from qarl.train.learner.learner import Learner
 from qarl.types import RolloutBatch, SamplingParams
 
 

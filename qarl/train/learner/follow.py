@@ -1,11 +1,12 @@
 """The learner on several ranks (`dist.learner_ranks = M > 1`): rank 0's learner, the FSDP
-learner, and the body every follower rank runs (`python -m qarl.train.follow`, or a Ray actor).
+learner, and the body every follower rank runs (`python -m qarl.train.learner.follow`, or a
+Ray actor).
 
 The trainer is rank 0. `learner_on_ranks` starts ranks 1..M-1 (`qarl.parallel.launch`, handed
 `follow` as their body), shares rank 0's weights and optimizer state with them (once, after
 any warm start or resume), and gives the trainer a `LeadLearner`: the same `Learner` as in
 one process, whose `update` first sends the step's `Experience` to every rank. Each follower
-builds the learner as the trainer does (`load_model` + `quantize_learner`; a meta-device
+builds the learner as the trainer does (`qarl.train.policy.learner_model`; a meta-device
 skeleton under FSDP) and then follows rank 0's messages: ("update", experience, step) ->
 `learner.update` on its share of the micro-batches; ("optimizer_state",) -> the whole
 optimizer state gathered to rank 0 for a checkpoint (FSDP); None -> stop. Rank 0 alone
@@ -32,61 +33,64 @@ from qarl.model import DTYPES, CausalLM, load_model, load_skeleton, load_tokeniz
 from qarl.parallel.fsdp import ShardedLearner, clear_state
 from qarl.parallel.launch import Follower, follower_main, learner_ranks
 from qarl.parallel.ranks import LearnerRankDied, RankGroup, join_group, leave_group, share_state
-from qarl.rollout import LocalEngine
-from qarl.train.learner import AlignedLearner, Learner, later_logp
-from qarl.train.logprobs import ForwardScorer, response_logprobs
-from qarl.train.optim import build_optimizer
+from qarl.train.learner.learner import AlignedLearner, Learner
+from qarl.train.learner.optim import build_optimizer
+from qarl.train.learner.passes import Passes
+from qarl.train.learner.precision import Precision
+from qarl.train.learner.update import update_policy
 from qarl.train.phases import Experience
-from qarl.train.setup import adapt_learner, make_replayer, quantize_learner
-from qarl.train.update import update_policy
+from qarl.train.policy import learner_model, make_replayer
 from qarl.types import RolloutBatch, SamplingParams
 
 
-class FsdpLearner:
-    """One rank's FSDP learner: trains its shards (`sharded`); on rank 0 also the whole
-    learner `whole` (what `model` is there), its `replayer` and its (state-free) optimizers,
-    which hold the whole state only inside `whole_optimizer_state`."""
+class ShardedPasses(Passes):
+    """An FSDP rank's passes: the gradient forward on its shards; a later optimizer step's logp
+    value by rank 0's whole learner (`whole`, its passes; the shards gathered into it first),
+    broadcast to every rank. None reads ahead: the gradient forward runs on shards."""
 
-    def __init__(self, sharded: ShardedLearner, group: RankGroup, whole: CausalLM | None = None,
-                 optimizers: list | None = None,
-                 replayer: LocalEngine | ForwardScorer | None = None,
-                 routing_replay: bool = False):
-        self.sharded, self.group, self.whole, self.replayer = sharded, group, whole, replayer
-        self.model = whole if whole is not None else sharded.model
+    def __init__(self, sharded: ShardedLearner, group: RankGroup, whole: Passes | None,
+                 precision: Precision, train: TrainSection, routing_replay: bool):
+        super().__init__(sharded.model, None, precision, train, routing_replay, solo=False)
+        self.sharded, self.group, self.whole = sharded, group, whole
+
+    def later(self, exp: Experience, rows: range) -> Tensor:
+        self.sharded.publish(None if self.whole is None else self.whole.model)
+        logp = None if self.whole is None else self.whole.values(exp, rows)
+        return self.group.broadcast(logp)
+
+
+class FsdpLearner:
+    """One rank's FSDP learner: trains its shards (`passes.sharded`); on rank 0 also the whole
+    learner (`whole`: its passes, whose model is `model` there) and its (state-free)
+    optimizers, which hold the whole state only inside `whole_optimizer_state`."""
+
+    def __init__(self, passes: ShardedPasses, optimizers: list | None = None):
+        self.passes, self.sharded, self.whole = passes, passes.sharded, passes.whole
+        self.model = self.whole.model if self.whole is not None else self.sharded.model
         self.optimizers = optimizers or []
-        self.routing_replay = routing_replay
 
     def replay(self, batch: RolloutBatch, sampling: SamplingParams, for_update: bool = False
                ) -> tuple[Tensor, Tensor | None]:
         # every row scored: the gradient forward runs on shards, split among the ranks
-        return self.replayer.score_routing(batch, sampling, replay=self.routing_replay)
-
-    def logprobs(self, batch: RolloutBatch, temperature: float) -> tuple[Tensor, Tensor]:
-        return response_logprobs(self.sharded.model, batch, temperature,
-                                 routing_replay=self.routing_replay)
+        return self.whole.replay(batch, sampling)
 
     def update(self, exp: Experience, algo: AlgoSection, train: TrainSection,
                step: int) -> dict[str, float]:
-        metrics = update_policy(self.sharded.model, self.sharded.optimizers, self.group,
-                                self._exact, exp, algo, train, step, self.routing_replay)
-        self.sharded.publish(self.whole)  # rank 0 receives the stepped shards, the others send
+        metrics = update_policy(self.passes, self.sharded.optimizers, self.passes.group, exp,
+                                algo, train, step)
+        # rank 0 receives the stepped shards, the others send
+        self.sharded.publish(None if self.whole is None else self.whole.model)
         return metrics
 
     def release_caches(self) -> None:
-        if self.replayer is not None:
-            self.replayer.release_caches()
-
-    def _exact(self, exp: Experience, rows: range) -> Tensor:
-        """A later optimizer step's logp value (`learner.later_logp`): rank 0 on its whole
-        learner (the shards gathered first), broadcast to every rank."""
-        self.sharded.publish(self.whole)
-        logp = None if self.whole is None else later_logp(self, exp, rows)
-        return self.group.broadcast(logp)
+        if self.whole is not None:
+            self.whole.release_caches()
 
     @contextlib.contextmanager
     def whole_optimizer_state(self) -> Iterator[None]:
         """Collective: the shards' optimizer state gathered into rank 0's optimizers, freed after."""
-        self.sharded.full_optimizer_state(self.whole, self.optimizers if self.whole else None)
+        whole = None if self.whole is None else self.whole.model
+        self.sharded.full_optimizer_state(whole, self.optimizers if whole is not None else None)
         try:
             yield
         finally:
@@ -99,14 +103,11 @@ class LeadLearner:
 
     def __init__(self, inner: Learner, group: RankGroup):
         self.inner, self.group = inner, group
-        self.model, self.optimizers = inner.model, inner.optimizers
+        self.model, self.optimizers, self.passes = inner.model, inner.optimizers, inner.passes
 
     def replay(self, batch: RolloutBatch, sampling: SamplingParams, for_update: bool = False
                ) -> tuple[Tensor, Tensor | None]:
         return self.inner.replay(batch, sampling, for_update)
-
-    def logprobs(self, batch: RolloutBatch, temperature: float) -> tuple[Tensor, Tensor]:
-        return self.inner.logprobs(batch, temperature)
 
     def update(self, exp: Experience, algo: AlgoSection, train: TrainSection,
                step: int) -> dict[str, float]:
@@ -136,11 +137,13 @@ def _fsdp_learner(config: RunConfig, group: RankGroup, model: CausalLM,
     sharded = ShardedLearner(model, _optimizers(config))
     stepped = group.broadcast(any(opt.state for opt in whole.optimizers) if whole else None)
     sharded.load(whole.model if whole else None, whole.optimizers if whole else None, stepped)
+    precision = Precision.of(config.train, config.quant)
+    passes = ShardedPasses(sharded, group, whole.passes if whole else None, precision,
+                           config.train, config.quant.routing_replay)
     if whole is None:
-        return FsdpLearner(sharded, group, routing_replay=config.quant.routing_replay)
+        return FsdpLearner(passes)
     clear_state(whole.optimizers)  # the shards hold it
-    return FsdpLearner(sharded, group, whole.model, whole.optimizers, whole.replayer,
-                       whole.routing_replay)
+    return FsdpLearner(passes, whole.optimizers)
 
 
 def lead(config: RunConfig, group: RankGroup, learner: AlignedLearner) -> LeadLearner:
@@ -148,8 +151,10 @@ def lead(config: RunConfig, group: RankGroup, learner: AlignedLearner) -> LeadLe
     if config.dist.learner_strategy == "fsdp":
         return LeadLearner(_fsdp_learner(config, group, copy.deepcopy(learner.model), learner), group)
     share_state(group, learner.model, learner.optimizers)
-    return LeadLearner(AlignedLearner(learner.model, learner.optimizers, learner.replayer,
-                                      learner.routing_replay, group), group)
+    solo = learner.passes
+    passes = Passes(solo.model, solo.replayer, solo.precision, config.train, solo.routing_replay,
+                    solo=False)
+    return LeadLearner(AlignedLearner(passes, learner.optimizers, group), group)
 
 
 @contextlib.contextmanager
@@ -159,7 +164,7 @@ def learner_on_ranks(config: RunConfig, learner: AlignedLearner) -> Iterator[Lea
     if config.dist.learner_ranks == 1:
         yield learner
         return
-    with learner_ranks(config, Follower(follow, "qarl.train.follow")) as group:
+    with learner_ranks(config, Follower(follow, "qarl.train.learner.follow")) as group:
         yield lead(config, group, learner)
 
 
@@ -172,21 +177,22 @@ def follow(rank: int, world: int, init, config: RunConfig) -> int:
     join_group(rank, world, init)
     group = RankGroup(rank, world, lockstep=config.dist.learner_strategy == "fsdp")
     dtype = DTYPES[config.model.master_dtype]
+    precision = Precision.of(config.train, config.quant)
     try:
         if group.lockstep:  # FSDP: the structure only; the shards are filled from rank 0
-            model = quantize_learner(load_skeleton(config.model.name, dtype=dtype),
-                                     config.quant, config.train)
+            model, _ = learner_model(load_skeleton(config.model.name, dtype=dtype), config,
+                                     precision, adapters=False)
             learner: Learner = _fsdp_learner(config, group, model, None)
         else:
-            model = quantize_learner(load_model(config.model.name, dtype=dtype),
-                                     config.quant, config.train)
-            adapt_learner(model, config)  # LoRA: rank 0's adapters arrive with its state
+            # LoRA: rank 0's adapters arrive with its state
+            model, _ = learner_model(load_model(config.model.name, dtype=dtype), config,
+                                     precision)
             optimizers = _optimizers(config)(model)
             share_state(group, model, optimizers)
-            replayer = make_replayer(config, model, load_tokenizer(config.model.name),
-                                     config.model.max_context)
-            learner = AlignedLearner(model, optimizers, replayer, config.quant.routing_replay,
-                                     group)
+            replayer = make_replayer(config, model, load_tokenizer(config.model.name), precision)
+            passes = Passes(model, replayer, precision, config.train,
+                            config.quant.routing_replay, solo=False)
+            learner = AlignedLearner(passes, optimizers, group)
         while (message := group.broadcast(None)) is not None:
             kind, *args = message
             if kind == "update":

@@ -1,0 +1,113 @@
+"""The data side of a run (`Data`): the task, the prompt encoder, the reward workers and the
+eval examples, built from a validated RunConfig (`build_data`)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from qarl.config import RolloutSection, RunConfig, TaskSection
+from qarl.errors import UserError
+from qarl.model.tokenizer import Tokenizer
+from qarl.tasks import Example, RewardRunner, Task, make_task
+from qarl.types import SamplingParams
+
+
+class PromptEncoder:
+    """Example -> prompt token ids: system prompt, chat template, length check, cache."""
+
+    def __init__(self, task_cfg: TaskSection, tokenizer: Tokenizer, task: Task):
+        self.task_cfg, self.tokenizer, self.task = task_cfg, tokenizer, task
+        self.cache: dict[tuple, list[int]] = {}
+
+    def encode_prompts(self, examples: list[Example]) -> list[list[int]]:
+        out = []
+        for ex in examples:
+            ids = self.template(ex)
+            if len(ids) > self.task_cfg.max_prompt_tokens:
+                raise ValueError(
+                    f"a prompt has {len(ids)} tokens after templating, over "
+                    f"task.max_prompt_tokens={self.task_cfg.max_prompt_tokens}: "
+                    f"{ex.prompt[:80]!r}; raise the limit or shorten it")
+            out.append(ids)
+        return out
+
+    def template(self, example: Example) -> list[int]:
+        """The prompt's token ids after the system prompt and chat template (cached)."""
+        key = (example.system, example.prompt)
+        if key not in self.cache:
+            self.cache[key] = self.encode(example)
+        return self.cache[key]
+
+    def encode(self, example: Example) -> list[int]:
+        cfg = self.task_cfg
+        system = example.system if example.system is not None else cfg.system_prompt
+        if cfg.chat_template and self.tokenizer.hf.chat_template is not None:
+            return self.tokenizer.apply_chat(example.prompt, system=system, tokenize=True)
+        text = example.prompt if system is None else f"{system}\n\n{example.prompt}"
+        return self.tokenizer.encode(text)
+
+
+def build_task(config: RunConfig) -> Task:
+    t = config.task
+    if t.dataset is not None:
+        return make_task("dataset", path=t.dataset, **t.options)
+    return make_task(t.name, **t.options)
+
+
+def prompt_side(config: RunConfig, tokenizer: Tokenizer) -> tuple[Task, PromptEncoder]:
+    """The run's task and its prompt encoder. A dataset's rows whose templated prompt has more
+    than task.max_prompt_tokens tokens are left out and counted as `too_long` bad rows, before
+    any step draws them; a dataset left with no training row is a UserError."""
+    task = build_task(config)
+    encoder = PromptEncoder(config.task, tokenizer, task)
+    drop_rows = getattr(task, "drop_rows", None)
+    if drop_rows is not None:
+        limit = config.task.max_prompt_tokens
+        try:
+            drop_rows(lambda ex: len(encoder.template(ex)) > limit)
+        except ValueError as err:
+            raise UserError(f"task.dataset: {err} (task.max_prompt_tokens = {limit})") from None
+    return task, encoder
+
+
+def sampling_params(rollout: RolloutSection) -> SamplingParams:
+    """Training samples: the recipe's [rollout] section."""
+    return SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
+                          top_p=rollout.top_p, top_k=rollout.top_k)
+
+
+@dataclass
+class Data:
+    """The data side of a run: prompts in, scored completions out, and the eval examples."""
+
+    task: Task
+    tokenizer: Tokenizer
+    prompts: PromptEncoder
+    rewards: RewardRunner
+    eval_examples: list[Example]
+
+    def close(self) -> None:
+        self.rewards.close()
+
+
+def report_dataset(task: Task, run_dir: Path) -> None:
+    """Bad rows of a dataset file are counted, never silently dropped: print the counts and
+    keep them in the run folder (dataset_report.txt)."""
+    reports = [r for r in (getattr(task, "report", None), getattr(task, "eval_report", None)) if r]
+    if reports:
+        text = "\n".join(r.summary() for r in reports)
+        (run_dir / "dataset_report.txt").write_text(text + "\n")
+        print(text, file=sys.stderr)
+
+
+def build_data(config: RunConfig, tokenizer: Tokenizer, run_dir: Path) -> Data:
+    """The task (its dataset report written to run_dir), reward workers and eval examples."""
+    task, prompts = prompt_side(config, tokenizer)
+    report_dataset(task, run_dir)
+    reward_spec = config.task.reward or task.reward_spec
+    rewards = RewardRunner(reward_spec, num_workers=config.task.reward_workers,
+                           timeout_s=config.task.reward_timeout_s)
+    eval_examples = task.examples("eval", config.eval.size, config.run.seed)
+    return Data(task, tokenizer, prompts, rewards, eval_examples)

@@ -99,6 +99,20 @@ def _seq_ratio(old_logp: Tensor, rollout_logp: Tensor, valid: Tensor, form: str)
     return bounded_exp(seq_mean(log_r, valid) if form == "geometric" else log_r.sum(dim=1))
 
 
+def _sequence_band(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, form: str,
+                   low: float, high: float, weighted: bool) -> Correction:
+    """Reject the sequences whose ratio ρ_i (`form`: geometric or product) leaves [low, high];
+    the kept ones weigh ρ_i (`weighted`) or 1."""
+    valid = as_valid(mask)  # [N, L] bool
+    has_tokens = valid.any(dim=1)  # [N]
+    rho = _seq_ratio(old_logp, rollout_logp, valid, form)  # [N]
+    # keep_i = 1[low ≤ ρ_i ≤ high]
+    keep = (rho >= low) & (rho <= high)  # [N]
+    w = rho if weighted else torch.ones_like(rho)  # [N]
+    w_tok = w[:, None].expand(valid.shape)  # [N, L]
+    return _finish(valid, w_tok, keep[:, None], rho, has_tokens, keep & has_tokens, w)
+
+
 def tis_token(
     old_logp: Tensor,  # [N, L] float
     rollout_logp: Tensor,  # [N, L] float
@@ -171,13 +185,7 @@ def mis_seq(
 ) -> Correction:
     """Sequence masked IS (product form): reject sequences whose Π_t r_t leaves [low, high]."""
     check_params("mis_seq", low=low, high=high)
-    valid = as_valid(mask)  # [N, L] bool
-    has_tokens = valid.any(dim=1)  # [N]
-    rho = _seq_ratio(old_logp, rollout_logp, valid, "product")  # [N]
-    # keep_i = 1[low ≤ ρ_i ≤ high]
-    keep = (rho >= low) & (rho <= high)  # [N]
-    w = rho[:, None].expand(valid.shape)  # [N, L]
-    return _finish(valid, w, keep[:, None], rho, has_tokens, keep & has_tokens, rho)
+    return _sequence_band(old_logp, rollout_logp, mask, "product", low, high, weighted=True)
 
 
 def geo_mask(
@@ -192,14 +200,7 @@ def geo_mask(
 ) -> Correction:
     """Geometric-mean rejection: drop sequences whose exp(mean_t log r) leaves [low, high]."""
     check_params("geo_mask", low=low, high=high)
-    valid = as_valid(mask)  # [N, L] bool
-    has_tokens = valid.any(dim=1)  # [N]
-    rho = _seq_ratio(old_logp, rollout_logp, valid, "geometric")  # [N]
-    # keep_i = 1[low ≤ ρ_i ≤ high]
-    keep = (rho >= low) & (rho <= high)  # [N]
-    ones = torch.ones_like(rho)  # [N]
-    w_tok = ones[:, None].expand(valid.shape)  # [N, L]
-    return _finish(valid, w_tok, keep[:, None], rho, has_tokens, keep & has_tokens, ones)
+    return _sequence_band(old_logp, rollout_logp, mask, "geometric", low, high, weighted=False)
 
 
 def opsm(

@@ -44,9 +44,12 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from qarl.config import load_config, parse_overrides
-from qarl.native import machine
-from qarl.native.memory import tune_allocator
+import qarl
+
+qarl.ask_huge_pages()  # before torch loads, as the `qarl` command does (docs/performance.md)
+from qarl.config import load_config, parse_overrides  # noqa: E402
+from qarl.native import machine  # noqa: E402
+from qarl.native.memory import tune_allocator  # noqa: E402
 
 PHASES = ("generate", "reward", "old_logp", "update", "sync")
 

@@ -10,7 +10,8 @@ The public API (names kept stable; see README):
     loss, metrics = qarl.LOSSES["tbpo"](logp, old_logp, rollout_logp, advantages, mask)
     qarl.train("recipes/default.toml", overrides={"train.steps": 5})
 
-Names are resolved lazily so `import qarl` stays cheap and the CLI starts fast.
+Names are resolved lazily so `import qarl` stays cheap and the CLI starts fast. Importing
+qarl changes nothing in the process (docs/performance.md lists what qarl does where).
 """
 
 from __future__ import annotations
@@ -20,12 +21,6 @@ import os
 import sys
 
 __version__ = "0.1.0"
-
-# torch's CPU allocator reads THP_MEM_ALLOC_ENABLE once, at its first allocation, so huge pages
-# for large tensors are asked for here, before any qarl module imports torch (why, what it
-# measures and the opt-outs: qarl/native/memory.py).
-if os.environ.get("QARL_MALLOC", "") != "default" and "torch" not in sys.modules:
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 _EXPORTS = {
     "SamplingParams": "qarl.types",
@@ -42,7 +37,19 @@ _EXPORTS = {
     "train": "qarl.train",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+__all__ = sorted(_EXPORTS) + ["__version__", "ask_huge_pages"]
+
+
+def ask_huge_pages() -> bool:
+    """Ask torch's CPU allocator to back large tensors with transparent huge pages (a training
+    step's tensors then fault in 2 MiB pages, not 4 KiB ones: qarl/native/memory.py). torch
+    reads THP_MEM_ALLOC_ENABLE once, at its first allocation, so this sets it only before
+    torch is imported, and not under QARL_MALLOC=default or where the variable is already
+    set. The `qarl` command calls it first thing; a program that imports torch itself calls
+    it before. -> whether huge pages are asked for in this process."""
+    if "torch" not in sys.modules and os.environ.get("QARL_MALLOC", "") != "default":
+        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    return os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
 
 
 def __getattr__(name: str):

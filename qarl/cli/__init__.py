@@ -65,6 +65,9 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import qarl
+
+    qarl.ask_huge_pages()  # before any command imports torch (docs/performance.md)
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     if not argv or argv[0] not in COMMANDS:

@@ -3,21 +3,19 @@
 glibc's malloc serves every block above its mmap threshold (128 KiB, raised on the fly up to
 32 MiB) with a fresh `mmap` and hands it back to the kernel on `free`, and trims the heap top
 above 128 KiB. A training step allocates and frees gigabytes of activations, gradients and
-logits chunks in blocks of 1-100 MiB, so each new tensor's every page is faulted in and
-zeroed by the kernel again, step after step; on a 2-core VM that was 15-25% of the update
-(docs/benchmarks.md). `tune_allocator` raises the mmap threshold to 1 GiB and turns the trim
-off: freed blocks stay in the heap and the next step reuses them. (With the 1 GiB trim
-threshold this module set before, 2 of 15 default-recipe steps measured on 2 AMD EPYC Zen 5
-cores still handed the heap top back at their end and faulted ~260k pages, 1 GB, in again:
-2-3 s of system time in a 3.5-4 s step.) The resident size stays at the step's peak between
-steps; the peak itself does not grow.
+logits chunks in blocks of 1-100 MiB, so each new tensor's every page would be faulted in and
+zeroed by the kernel again, step after step: on a 2-core machine a visible share of the
+update's system time. `tune_allocator` raises the mmap threshold to 1 GiB and turns the trim
+off: freed blocks stay in the heap and the next step reuses them (a finite trim threshold
+still let some steps hand the heap top back and fault it in again). The resident size stays
+at the step's peak between steps; the peak itself does not grow.
 
 Huge pages: torch's CPU allocator advises the kernel to back blocks of 2 MiB and more with
 transparent huge pages when THP_MEM_ALLOC_ENABLE=1 is set before its first allocation;
-`import qarl` sets it where torch is not imported yet (qarl/__init__.py). A first step grows
-the heap to the step's peak (~800k pages of 4 KiB on the default recipe); with huge pages
-`make train` faults 0.53M pages instead of 1.37M, in 20.8 s of system time instead of 27.0
-(docs/benchmarks.md). `huge_pages()` says whether it holds in this process.
+`qarl.ask_huge_pages()` sets it where torch is not imported yet (the `qarl` command calls it
+first thing). A first step grows the heap to the step's peak, and with huge pages it faults
+it in a fraction of the page faults. `huge_pages()` says whether it holds in this process.
+tests/unit/native/test_native.py counts the page faults of a step's blocks either way.
 
 It acts only on glibc (Linux), once per process, and not at all when the environment already
 tunes malloc (`GLIBC_TUNABLES` naming glibc.malloc) or `QARL_MALLOC=default` asks for the
@@ -80,7 +78,8 @@ def huge_pages() -> str:
             return f"off ({THP_ENV}={asked})"
         if os.environ.get(ENV, "") == "default":
             return f"off ({ENV}=default)"
-        return f"off (torch was imported before qarl: set {THP_ENV}=1 before importing torch)"
+        return (f"off (not asked: call qarl.ask_huge_pages() before importing torch, or set "
+                f"{THP_ENV}=1)")
     try:
         with open(THP_SYSFS) as f:
             mode = f.read().split("[", 1)[1].split("]", 1)[0]

@@ -456,6 +456,7 @@ def test_tuned_allocator_keeps_freed_blocks_for_the_next_step():
 
 _HUGE = """
 import qarl
+qarl.ask_huge_pages()
 from qarl.native.memory import huge_pages
 state = huge_pages()
 print(state)
@@ -477,5 +478,7 @@ def test_huge_pages_asked_before_torch_and_opt_outs_named():
     assert _child(_HUGE, {"THP_MEM_ALLOC_ENABLE": "0"}) == "off (THP_MEM_ALLOC_ENABLE=0)"
     assert _child(_HUGE, {"QARL_MALLOC": "default"}) == "off (QARL_MALLOC=default)"
     late = _child("import torch\n" + _HUGE, {}).splitlines()
-    assert late[0].startswith("off (torch was imported before qarl")
+    assert late[0].startswith("off (not asked: call qarl.ask_huge_pages() before")
+    assert _child("import qarl\nimport os\nprint(os.environ.get('THP_MEM_ALLOC_ENABLE'))",
+                  {}) == "None"  # importing qarl changes nothing
     assert "huge_pages" in nat.machine()

@@ -16,6 +16,7 @@ from pydantic_core import PydanticUndefined
 from qarl.config.checks import CHECKS
 from qarl.config.resources import RESOURCE_CHECKS
 from qarl.config.schema import SECTIONS, RunConfig
+from qarl.config.section import KINDS
 from qarl.config.toml_out import toml_value
 
 INTRO = """\
@@ -30,6 +31,9 @@ on the command line as `--section.key=value` (the value is read as a TOML litera
 bare string: `--train.lr=1e-5`, `--quant.scheme=w4a16-int4`, `--quant.include=["q_proj"]`,
 `--algo.loss_params.eps_high=5e-4`); an empty value (`--task.name=`) unsets a key so its
 default applies. Every problem in a recipe is reported at once, each with its field path.
+Keys marked *Speed* trade time or memory (their `auto` or default is right for most runs;
+docs/performance.md says what each does) and keys marked *Check* verify or report; neither
+changes what a run learns beyond rounding.
 The fully resolved config of a run is saved as `config.toml` in its run folder and can be
 run again as it is.
 """
@@ -66,8 +70,10 @@ def section_markdown(title: str, model: type[BaseModel]) -> list[str]:
     lines = [f"## [{title}]", "", inspect.cleandoc(model.__doc__ or ""), ""]
     nested = []
     for key, field in model.model_fields.items():
+        kind = (field.json_schema_extra or {}).get("kind")
+        tag = f"{KINDS[kind]} " if kind else ""
         lines.append(f"- **`{key}`** ({type_name(field.annotation)}, default "
-                     f"{default_text(field)}): {field.description}")
+                     f"{default_text(field)}): {tag}{field.description}")
         for arg in (field.annotation, *typing.get_args(field.annotation)):
             if isinstance(arg, type) and issubclass(arg, BaseModel):
                 nested.append((f"{title}.{key}", arg))

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
+from qarl.config.section import CHECK, SPEED
 from qarl.config.section import SECTION as _SECTION
 from qarl.quant import ALIGNS
 
@@ -78,20 +79,23 @@ class QuantSection(BaseModel):
     contract_exempt: list[str] = Field(
         default_factory=list,
         description="Linear layers (names matched as in include) that may be quantized on one "
-        "side only or differently: the quantization contract (docs/training.md) lists them as "
+        "side only or differently: the quantization contract (docs/contract.md) lists them as "
         "exempt instead of stopping the run before step 1.",
+        json_schema_extra=CHECK,
     )
     sync_check: bool = Field(
         True,
         description="After every weight sync, compare a digest (CRC-32 per tensor part) of what "
         "each engine replica holds with what the learner pushed; a difference stops the run "
-        "naming the layers. Costs ~2% of a default step (contract/seconds).",
+        "naming the layers. Its cost is contract/seconds in a step's metrics.",
+        json_schema_extra=CHECK,
     )
     over_budget: Literal["flag", "stop"] = Field(
         "flag",
         description="A step whose learner-vs-sampler mismatch exceeds the measured budget of "
         "its (scheme, align, engine) (qarl/train/budgets.json): 'flag' marks it "
         "(contract/over_budget) and logs it; 'stop' ends the run before that step's update.",
+        json_schema_extra=CHECK,
     )
     routing_replay: bool = Field(False, description="MoE models: the learner uses the experts the "
         "engine chose for each token (its own router's probabilities weight them) in old_logp "

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from qarl.config.section import SPEED
 from qarl.config.section import SECTION as _SECTION
 from qarl.rollout.engines import ENGINES
 from qarl.rollout.vllm_support import VLLM_DTYPES
@@ -46,7 +47,7 @@ class RolloutSection(BaseModel):
         "(rollout.engine = 'vllm'): 'auto' = float32, the learner's precision, where vLLM's "
         "kernels take it, else bfloat16 (a bfloat16 master; an int8 scheme on x86 CPUs with "
         "AMX, whose vLLM int8 kernel takes only 16-bit activations); or 'float32' / "
-        "'bfloat16'. qarl/rollout/README.md has the measured mismatch of each.")
+        "'bfloat16'. benchmarks/vllm_int8_gap.py measures the mismatch of each.")
 
 
 class TaskSection(BaseModel):
@@ -91,7 +92,8 @@ class TaskSection(BaseModel):
     reward_timeout_s: float = Field(
         10.0, gt=0, description="Deadline per reward call; a timeout is counted, never a 0."
     )
-    reward_workers: int = Field(2, ge=1, description="Worker processes that compute rewards.")
+    reward_workers: int = Field(2, ge=1, description="Worker processes that compute rewards.",
+                                json_schema_extra=SPEED)
     eval_size: int = Field(200, ge=1, description="Held-out prompts for evaluation.")
     max_prompt_tokens: int = Field(
         256, ge=1, description="Prompts longer than this (after templating) are an error."
@@ -128,4 +130,5 @@ class EvalSection(BaseModel):
         "seed, task, qarl's code, the machine); an evaluation with the same digest is read from "
         "it instead of run, and logged as eval/shared_* = 1. `qarl compare` sets it to "
         "FOLDER/eval-cache for its runs, so arms that start from one warm start evaluate step 0 "
-        "once per seed. Empty: every evaluation runs. qarl's own engine only.")
+        "once per seed. Empty: every evaluation runs. qarl's own engine only.",
+        json_schema_extra=SPEED)

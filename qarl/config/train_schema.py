@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from qarl.config.section import CHECK, SPEED
 from qarl.config.section import SECTION as _SECTION
 
 # The optimizers and learning-rate schedules qarl.train.learner.optim implements (it dispatches on
@@ -32,7 +33,9 @@ class TrainSection(BaseModel):
         8,
         ge=1,
         description="Sequences per forward/backward pass; rollout.batch_size must be a multiple "
-        "of it (groups may span micro-batches).",
+        "of it (groups may span micro-batches). The loss is aggregated over the whole batch, "
+        "so it sets memory, not the update.",
+        json_schema_extra=SPEED,
     )
     mini_batches: int = Field(
         1,
@@ -43,7 +46,7 @@ class TrainSection(BaseModel):
         "epochs x mini_batches steps per rollout batch. Every step after the first is "
         "off-policy (the ratio of logp to old_logp leaves 1, so the losses' clips act) and "
         "costs one pass for logp's value: the decode-path replay of the whole batch, or the "
-        "forward of the step's own rows (train.logp_path; docs/training.md).",
+        "forward of the step's own rows (train.logp_path; docs/learner.md).",
     )
     optimizer: Literal[OPTIMIZERS] = Field(
         "adamw",
@@ -78,9 +81,10 @@ class TrainSection(BaseModel):
         "and the straight-through backward's GEMMs. Master weights, optimizer state and every "
         "logp value (old_logp, the ratio's numerator: the exact replay) stay as they are, so it "
         "changes gradients only, by bf16 rounding. 'auto': bfloat16 on CUDA and on CPUs with "
-        "AMX-BF16, float32 on other CPUs (with AVX512-BF16 alone a bf16 pass gains 0-7% per "
-        "step over fp32 by oneDNN, measured on AMD Zen 4 and Zen 5; without bf16 arithmetic it "
-        "is emulated, slower). See docs/training.md.")
+        "AMX-BF16, float32 on other CPUs (with AVX512-BF16 alone a bf16 pass gains little "
+        "over fp32 by oneDNN; without bf16 arithmetic it is emulated, slower). "
+        "docs/learner.md; measured by benchmarks/step_time.py.",
+        json_schema_extra=SPEED)
     quant_backward: Literal[QUANT_BACKWARDS] = Field(
         "auto", description="What the straight-through backward of the learner's quantized "
         "layers multiplies: 'float', the upstream gradient g with the dequantized weight and "
@@ -93,7 +97,8 @@ class TrainSection(BaseModel):
         "exact in bf16: g's rounding only), else fp32. Forward values, old_logp and the ratio "
         "are unchanged. 'auto': 'codes' for a kernel-aligned learner with a float32 gradient "
         "pass where those GEMMs are the faster ones (int8 on VNNI or AMX-INT8; W4A16 on a CPU "
-        "with bf16 arithmetic), 'float' elsewhere. docs/training.md, 'The backward on codes'.")
+        "with bf16 arithmetic), 'float' elsewhere. docs/learner.md, 'The backward on codes'.",
+        json_schema_extra=SPEED)
     logp_path: Literal[LOGP_PATHS] = Field(
         "decode", description="Where every logp value the losses read comes from (old_logp, "
         "and logp's value at each optimizer step after the first): 'decode', the learner's "
@@ -106,7 +111,7 @@ class TrainSection(BaseModel):
         "micro-batch's old_logp are the values of the update's first gradient forward, run "
         "ahead, and a later step reads the value of its own gradient forward; else a later "
         "step runs it on its own rows), for naive and fake alignment only, where no pass of "
-        "the learner is exact. docs/training.md.")
+        "the learner is exact. docs/learner.md.")
     device: str = Field(
         "cpu", description="Where the learner (master weights, optimizer state, gradients), "
         "the local engine, the replay, the weight sync and evaluation run: 'cpu', 'cuda' or "
@@ -117,7 +122,8 @@ class TrainSection(BaseModel):
         False, description="Recompute each decoder layer's activations in the backward pass "
         "instead of keeping them (the gradient pass's own precision and GEMM library): less "
         "activation memory for one more forward of the layers per micro-batch. The update "
-        "is the same. Measured effect on the default run: docs/training.md, 'Memory'.")
+        "is the same. Peak memory: benchmarks/step_time.py --rounds.",
+        json_schema_extra=SPEED)
     grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clip; 0 = off.")
     checkpoint_every: int = Field(
         0, ge=0, description="Save a checkpoint every this many steps; 0 = only at the end."
@@ -129,7 +135,7 @@ class TrainSection(BaseModel):
         "full", description="What the checkpoint of the run's last step holds: 'full', "
         "everything a resume needs (master weights, optimizer state, RNG state), so the run can "
         "later go on with a larger train.steps; 'weights', the same without the optimizer "
-        "state (a third of the size under AdamW: 0.54 instead of 1.6 GB for smollm2-135m), so "
+        "state (a third of the size under AdamW), so "
         "the run can be evaluated and exported but not extended. Checkpoints before the last "
         "step, and one saved by a stop signal or monitor.early_stop, are always full: a killed "
         "or stopped run resumes either way (docs/training.md, 'Reliability').")
@@ -138,10 +144,11 @@ class TrainSection(BaseModel):
         "exact by construction (kernel alignment, or scheme 'none'; the local engine; a dense "
         "model), old_logp is the sampler's logprobs and only this fraction of each step's rows "
         "(at least one) is replayed to check it; any difference switches the run to full "
-        "replay. 1.0 replays every row, as naive / fake alignment always do (docs/training.md).")
+        "replay. 1.0 replays every row, as naive / fake alignment always do (docs/contract.md).",
+        json_schema_extra=CHECK)
     audit_full_every: int = Field(
         8, ge=0, description="... and the whole batch is replayed every this many steps, from "
-        "step 0; 0 = never.")
+        "step 0; 0 = never.", json_schema_extra=CHECK)
     max_bad_steps: int = Field(
         3, ge=1, description="Abort after this many steps in a row whose loss or gradient was "
         "not finite (each such step is skipped: weights and optimizer state untouched)."

@@ -5,7 +5,7 @@ accuracies before and after, wall time and peak memory per seed, as one JSON obj
 README's glance row from it), so a change to sampling or kernels (which moves where a
 trajectory ends) regenerates the table instead of leaving it stale.
 
-    .venv/bin/python benchmarks/default_runs.py                 # seeds 0 1 2, ~15 min on 2 cores
+    .venv/bin/python benchmarks/default_runs.py                 # seeds 0 1 2
     .venv/bin/python benchmarks/default_runs.py --results       # and write docs/results.md
     .venv/bin/python benchmarks/default_runs.py --seeds 0 --train.steps=2   # a smoke run
     .venv/bin/python benchmarks/default_runs.py --from runs/kept --results  # table of kept runs

@@ -3,7 +3,7 @@ held-out accuracy before -> after (deployed W8A8 policy and master weights), wal
 RSS of the `qarl train` child, the mean phase seconds of steps 2.. (step 1 warms caches), and
 the megabytes each weight sync sends; one JSON object.
 
-    .venv/bin/python benchmarks/lora_vs_full.py                      # seeds 0 1 2, ~10 min
+    .venv/bin/python benchmarks/lora_vs_full.py                      # seeds 0 1 2
     .venv/bin/python benchmarks/lora_vs_full.py --rank 16 --lora-lr 2e-4 --seeds 0
 
 Runs one child at a time, full fine-tuning first, then LoRA (`--lora.rank`, its learning rate

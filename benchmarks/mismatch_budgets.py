@@ -11,7 +11,7 @@ vLLM environment (`make test-vllm` creates it) and adds its budgets to the file.
 table as JSON; --write writes it (with the machine it was measured on) to
 qarl/train/budgets.json.
 
-    .venv/bin/python benchmarks/mismatch_budgets.py --write          # tiny + SmolLM2, ~5 min
+    .venv/bin/python benchmarks/mismatch_budgets.py --write          # tiny + SmolLM2
     .venv-vllm/bin/python benchmarks/mismatch_budgets.py --engine vllm --write
     .venv/bin/python benchmarks/mismatch_budgets.py --from-json tiny=t.json,smollm2-135m=s.json
 

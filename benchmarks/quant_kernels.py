@@ -22,11 +22,11 @@ layers, lm_head and, through its chains, the int4 GEMM) under each instruction s
 has (`native.F32_ISAS`: AVX2 4-row tiles, AVX-512 8-row tiles; the same bits on each) next to
 fp32 `F.linear` (MKL).
 
-Run it on a quiet machine: with other jobs on a 2-core machine two OpenMP threads make every
-GEMM wait on the busier core (10-30x slower M>1 fp32 GEMMs measured); the load average before
-and after is recorded.
+Run it on a quiet machine: with other jobs running, the OpenMP threads make every GEMM wait on
+the busiest core, which slows M>1 GEMMs many times over; the load average before and after is
+recorded.
 
-    .venv/bin/python benchmarks/quant_kernels.py                # layers and decode (~10 min)
+    .venv/bin/python benchmarks/quant_kernels.py                # layers and decode
     .venv/bin/python benchmarks/quant_kernels.py --parts layers --shapes 1024x4096
     .venv/bin/python benchmarks/quant_kernels.py --parts blocks --formats none,w8a8-int8,w4a16-int4
     .venv/bin/python benchmarks/quant_kernels.py --parts int8 --shapes 576x1536,1536x576 \

@@ -190,8 +190,8 @@ def write_section(key: str, title: str, command: str, table: str, *, notes: str 
     """Create or replace the section `key` of the results page (docs/results.md unless `page`)
     and rebuild its glance table; README.md's copy too where README.md has its block.
 
-    glance: (what, reading), e.g. ("qarl vs TRL, default recipe", "3.5x TRL's fastest"), a row
-    of the glance table linking to this section. machine: default `machine_class()`; date
+    glance: (what, reading), e.g. ("qarl vs TRL, default recipe", "<ratio>x TRL's fastest"), a
+    row of the glance table linking to this section. machine: default `machine_class()`; date
     (YYYY-MM-DD): default today."""
     if key == GLANCE or not KEY.fullmatch(key):
         raise ValueError(f"section key {key!r}: use lowercase letters, digits, '.', '_', '-' "

@@ -1,13 +1,11 @@
 """Seconds per RL step, by phase, of two or more recipes measured side by side in one process,
 as one JSON object: each arm's policy is built once, then the arms take their steps in turn
-(arm A step 1, arm B step 1, arm A step 2, ...), so a machine whose speed drifts (a shared
-VM: 10-25% between runs) moves every arm alike and the ratios are read in one window. The
-arms also share the process's heap, and the first arm pays for blocks the others leave in
-other sizes: recipes/compare.toml's W4A16 arm measured 0.96x full precision's step with it
-first, 1.17x with it second, and 1.05-1.08x with one arm per process (docs/benchmarks.md,
-e6573bc). `--rounds R` runs each arm in a process of its own instead, R rounds of one process
-per arm, the order of the arms reversed every other round: the JSON has each round's figures
-and ratios, and the means over the rounds.
+(arm A step 1, arm B step 1, arm A step 2, ...), so a machine whose speed drifts (as a shared
+virtual machine's does) moves every arm alike and the ratios are read in one window. The arms
+also share the process's heap, and the first arm pays for blocks the others leave in other
+sizes, so in one process the arms' order moves their ratio. `--rounds R` runs each arm in a
+process of its own instead, R rounds of one process per arm, the order of the arms reversed
+every other round: the JSON has each round's figures and ratios, and the means over the rounds.
 
     .venv/bin/python benchmarks/step_time.py --steps 4                      # W8A8 vs none
     .venv/bin/python benchmarks/step_time.py --steps 4 --tokens 64          # longer responses
@@ -20,16 +18,16 @@ and ratios, and the means over the rounds.
 An arm is NAME:KEY=VALUE,KEY=VALUE (overrides of the recipe, `--recipe`, default `default`).
 A recipe with SFT steps starts from its warm start, as `qarl train` does (trained first where
 the cache lacks it). Step 1 of each arm is a warm-up (first packs, first pushes) and is left
-out of the means (step 2 still faults the heap's pages in, 2-3 s of system time in its update
-on 2 cores: `--steps 6` dilutes it); `contract` is the per-sync digest check's share of `sync`
-(docs/training.md). `--ignore-eos` (as vLLM's throughput benchmark does) makes every response
-run to `--tokens`: the arms then do the same work per step whatever their policies write, so
-their step ratio is not a ratio of response lengths (the responses' text past the end token is
-noise, and so are the rewards). The JSON names the machine (CPU, ISA levels, threads) and the
-int8 GEMM chosen here, and each arm's `quant_backward` (what its quantized layers' backward
-multiplies: train.quant_backward resolved); `ratio` is each arm's mean step against the
-first arm's. `--results` also writes the arms' means into docs/results.md (section
-`step-time`).
+out of the means (step 2 still faults the heap's pages in, which costs its update system
+time: `--steps 6` dilutes it); `contract` is the per-sync digest check's share of `sync`
+(docs/contract.md#a-digest-after-every-weight-push). `--ignore-eos` (as vLLM's throughput
+benchmark does) makes every response run to `--tokens`: the arms then do the same work per step
+whatever their policies write, so their step ratio is not a ratio of response lengths (the
+responses' text past the end token is noise, and so are the rewards). The JSON names the
+machine (CPU, ISA levels, threads) and the int8 GEMM chosen here, and each arm's
+`quant_backward` (what its quantized layers' backward multiplies: train.quant_backward
+resolved); `ratio` is each arm's mean step against the first arm's. `--results` also writes the
+arms' means into docs/results.md (section `step-time`).
 """
 
 from __future__ import annotations

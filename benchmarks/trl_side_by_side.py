@@ -21,19 +21,19 @@ rollout.max_new_tokens (`--tokens` sets both), the temperature / top-p / top-k, 
 AdamW betas, weight decay, grad clip and seed. TRL keeps its own loss (dapo, beta 0: no
 reference model) and its own generation (transformers' `generate`).
 
-Each arm runs in its own process, one after another, so `peak_rss_gb` is that arm's alone (two
-arms at once would not fit beside other work in 24 GiB); the machine's drift between arms is
-therefore in the ratios, and each arm's load average is recorded. Step 1 of each arm is a
-warm-up left out of the means. TRL's phases come from timing its own methods: `generate`
-(`_generate`: tokenize, `generate`, decode), `reward` (`_calculate_rewards`), `prepare` (the
-rest of `_generate_and_score_completions`: padding, advantages) and `update` (the rest of the
-optimizer step: forward/backward of the micro-batches, clip, AdamW). Response lengths count the
+Each arm runs in its own process, one after another, so `peak_rss_gb` is that arm's alone (no
+two arms hold memory at once); the machine's drift between arms is therefore in the
+ratios, and each arm's load average is recorded. Step 1 of each arm is a warm-up left out of
+the means. TRL's phases come from timing its own methods: `generate` (`_generate`: tokenize,
+`generate`, decode), `reward` (`_calculate_rewards`), `prepare` (the rest of
+`_generate_and_score_completions`: padding, advantages) and `update` (the rest of the optimizer
+step: forward/backward of the micro-batches, clip, AdamW). Response lengths count the
 final EOS on both sides. `qarl_speedup` is each arm's mean step over qarl's (> 1: qarl faster).
 
-Time: `--steps 4 --arms qarl,trl-fp32,qarl-none` takes about 4 minutes on 2 Xeon cores;
-`trl-defaults` alone takes 3 minutes a step there (its bf16 autocast is emulated on a CPU
-without AVX512-BF16 / AMX). `--results` also writes the arms into docs/results.md (section
-`trl`): `make bench-trl BENCH_ARGS=--results`.
+Time: on a CPU without AVX512-BF16 / AMX `trl-defaults` is by far the slowest arm (its bf16
+autocast is emulated there); leave it out with `--arms` for a quick comparison. `--results`
+also writes the arms into docs/results.md (section `trl`):
+`make bench-trl BENCH_ARGS=--results`.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ without AMX): vLLM's AMX-machine int8 kernel, run with VNNI instructions
   engine (qarl's exact int8 GEMM) and the `fake` learner: mean / max |Δlogp| per seed; the
   local engine's own batch scored by the fake learner (the floor of this model: per-token int8
   activation quantizers amplify last-bit differences); for `--emulate-seeds`, also a local
-  engine whose int8 GEMM is the saturating emulation (slow: minutes per seed on 2 cores).
+  engine whose int8 GEMM is the saturating emulation (slow: every int8 GEMM emulated pair by
+  pair in int32 tensors).
 """
 
 from __future__ import annotations

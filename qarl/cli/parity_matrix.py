@@ -27,7 +27,8 @@ training), and decode-replay rows carry the routing disagreement: the fraction o
 tokens whose learner top-k expert set differs from the engine's, averaged over MoE layers
 (`qarl.algo.diagnostics.routing_disagreement`; with replay it is still the learner routers'
 own top-k, given the replayed experts of the layers below, as training logs it).
-See docs/alignment.md for what the numbers mean and a measured matrix.
+See docs/alignment.md for what the numbers mean; benchmarks/parity_table.py --results writes
+a measured matrix into docs/results.md.
 
 `engine` names the sampler in `qarl.rollout.ENGINES` (the trainer's table): with "vllm" the
 samples come from a `VLLMEngine` (vLLM in this process, fed qarl's codes in compressed-tensors

@@ -85,8 +85,8 @@ def build_smollm2(folder: Path) -> None:
 # E = 4 experts, top-2: the fewest experts that still leave a routing choice (with E = 2 and
 # top-2 every token uses both). Parameters grow as embedding + attention + E x MLPs
 # = 28.3M + 26.5M + E x 79.6M: 373M at E = 4 (Adam in fp32 keeps 4 copies, ~6 GB, plus the
-# engine's copy), 692M at E = 8 (~11 GB, and twice the optimizer step time), which the 24 GiB
-# 2-core development machine could hold but not train at a useful pace.
+# engine's copy), 692M at E = 8 (~11 GB, and twice the optimizer step time): E = 4 keeps the
+# model trainable on a CPU at a useful pace, where E = 8 would double memory and step time.
 UPCYCLE_EXPERTS, UPCYCLE_TOP_K, UPCYCLE_SEED = 4, 2, 0
 
 

@@ -22,7 +22,8 @@ cache write and attention of one new token), `rms_norm`, `silu_mul`, `sample_row
 `DecodeBlock`, a whole decoder block in one call, whose projections are `BlockGemm`s of a
 `GemmKind` (the quantization scheme names the kind: `Scheme.native_operand`).
 
-Tensors must be on the CPU; x is made contiguous. See README.md for the measured speed.
+Tensors must be on the CPU; x is made contiguous. README.md here says how each kernel works;
+benchmarks/quant_kernels.py (--parts int8, f32, blocks) measures their speed.
 """
 
 from __future__ import annotations

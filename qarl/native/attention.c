@@ -10,10 +10,11 @@
 // Attention for one decode query per sequence (T = 1).
 //
 // SDPA's CPU kernel is built for long query blocks; for one query over a strided KV-cache
-// slice it spends ~0.3 ms per layer at batch 16 on work worth ~20 us. Here each (sequence,
-// head) is one small loop: scores q . k_s * scale over the keys the mask allows, a softmax
-// with the max subtracted, then the probability-weighted sum of values. Query head h reads
-// key/value head h / (H / Hkv), as grouped-query attention (and SDPA's enable_gqa) does.
+// slice its set-up costs many times the arithmetic (benchmarks/quant_kernels.py --parts blocks
+// times the engine's blocks). Here each (sequence, head) is one small loop: scores q . k_s *
+// scale over the keys the mask allows, a softmax with the max subtracted, then the
+// probability-weighted sum of values. Query head h reads key/value head h / (H / Hkv), as
+// grouped-query attention (and SDPA's enable_gqa) does.
 
 // Raw score of one key: q . k over D (a multiple of 8), two accumulators so that the chain of
 // fmas is half as long.

@@ -1,7 +1,8 @@
 // The small per-token operations of a decoder block, for x86-64 with AVX2 + FMA (see
-// README.md beside this file). Each is a handful of microseconds of arithmetic that PyTorch
-// spends 5-30 us of dispatch on (F.rms_norm on one 576-wide row: ~30 us); a decode step of a
-// 30-layer model runs them ~100 times. Built into the same library as kernels.c by build.py.
+// README.md beside this file). Each is little arithmetic on one row per sequence, where
+// PyTorch spends more on dispatch (F.rms_norm alone dispatches several ops) than on the work;
+// a decode step runs them several times per layer (benchmarks/quant_kernels.py --parts blocks).
+// Built into the same library as kernels.c by build.py.
 // Every output row depends on its own input row only (batch-invariant by construction).
 
 #include <stdint.h>
@@ -40,10 +41,11 @@ void qarl_silu_mul(const float* gate_up, int64_t M, int64_t F, float* out, int n
 // ---------------------------------------------------------------------------------------
 // A whole decoder block for one new token per sequence, in one OpenMP region.
 //
-// At batch 1 a block's arithmetic on a 135M model takes ~0.2 ms; eight separate calls (two
-// norms, four GEMMs, the attention step, the SwiGLU product) each pay a Python wrapper, a
-// ctypes call and the start of a parallel region (~8 us together), and the thread that
-// finishes first waits at each end. Here the threads enter once and meet at barriers.
+// At batch 1 a block's arithmetic is small, and eight separate calls (two norms, four GEMMs,
+// the attention step, the SwiGLU product) would each pay a Python wrapper, a ctypes call and
+// the start of a parallel region, and the thread that finishes first would wait at each end
+// (benchmarks/quant_kernels.py --parts blocks times the one call). Here the threads enter
+// once and meet at barriers.
 // Every step is the very function the separate calls use, on the same inputs, so the result
 // equals the step-by-step fused block bit for bit.
 
@@ -163,13 +165,13 @@ void qarl_decode_block(const qarl_block* blk, float* x, int64_t B, const float* 
 // ---------------------------------------------------------------------------------------
 // Sampling one token per row from softmax(logits / T), by inverse CDF.
 //
-// Gumbel-max (argmax of z - log E) needs one exponential draw per vocabulary entry: at batch
-// 16 over a 49k vocabulary PyTorch's CPU generator spends ~22 ms per step on them, more than
-// the model. The inverse CDF needs one uniform per row: token = the first i whose cumulative
-// probability exceeds u * total. Per row: s = z / T (fp32 division, as PyTorch's logits / T),
-// p = exp(s - max s) (exactly 0 at -inf: truncated tokens are never drawn), block sums of 8
-// in fp64 and their running sum, then the scan repeats exactly those sums, so the total it
-// compares against is the very number it accumulates.
+// Gumbel-max (argmax of z - log E) needs one exponential draw per vocabulary entry, batch x
+// vocabulary draws per step from PyTorch's CPU generator. The inverse CDF needs one uniform
+// per row: token = the first i whose cumulative probability exceeds u * total. Per row:
+// s = z / T (fp32 division, as PyTorch's logits / T), p = exp(s - max s) (exactly 0 at -inf:
+// truncated tokens are never drawn), block sums of 8 in fp64 and their running sum, then the
+// scan repeats exactly those sums, so the total it compares against is the very number it
+// accumulates.
 
 #define SAMPLE_BLOCK 8
 

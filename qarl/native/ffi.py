@@ -12,7 +12,7 @@ def available() -> bool:
     return load() is not None
 
 
-_LIB = []  # the loaded library, once: decoding calls the kernels ~100 times per token
+_LIB = []  # the loaded library, once: decoding calls the kernels several times per layer
 
 
 def _lib():

@@ -1,10 +1,10 @@
 """What this CPU can do, read once from /proc/cpuinfo: its name, its x86 feature flags, and
 the instruction-set levels qarl's kernels and benchmarks name (`isa_levels`).
 
-The machines qarl runs on vary (an AVX2-only AMD EPYC, an Intel Xeon with AVX-512 and VNNI,
-one with AVX512-BF16 and AMX as well), and several results depend on which: the speed of
-every GEMM, and the arithmetic of vLLM's int8 kernels (qarl.rollout.vllm_support). Every
-benchmark's JSON carries `machine()` so a figure always names the CPU it came from.
+The CPUs qarl runs on vary (AVX2 only; AVX-512 with VNNI; AVX512-BF16 and AMX as well), and
+several results depend on which: the speed of every GEMM, and the arithmetic of vLLM's int8
+kernels (qarl.rollout.vllm_support). Every benchmark's JSON carries `machine()` so a figure
+always names the CPU it came from.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def cpu_vendor() -> str:
 
 
 def cpu_name() -> str:
-    """The CPU's model name as `lscpu` prints it (e.g. 'AMD EPYC 7B13'), else the machine."""
+    """The CPU's model name as `lscpu` prints it, else the machine."""
     return _cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 

@@ -20,9 +20,11 @@
 // which saturates for general int8 x int8. With the sign moved from the activation onto the
 // weight (vpsignb) the unsigned operand is |a| <= 128 and the weight stays in [-127, 127], so a
 // pair sums to at most 2 * 128 * 127 = 32512 < 2^15: exact. vpmaddwd by ones then widens each
-// 4-product sum to int32 (exact for K < 2^31 / 127^2 = 133,000). On the development machine's
-// Zen 3 this runs one multiply instruction per cycle, 16 MACs per cycle per core: the fp32 FMA
-// peak, with a quarter of the weight bytes.
+// 4-product sum to int32 (exact for K < 2^31 / 127^2 = 133,000). Per 32 multiply-adds that is
+// two multiply instructions (vpmaddubsw + vpmaddwd) where fp32 takes four FMAs: on AVX2-only
+// CPUs that issue one vector integer multiply per cycle, the fp32 FMA GEMM's peak, with a
+// quarter of the weight bytes (benchmarks/quant_kernels.py --parts int8 times it next to fp32
+// F.linear).
 
 #define NR8 16  // output columns per int8 panel: 2 vectors of 8 int32
 #define MR8 4   // rows per tile: 4 x 2 accumulators + 2 weights + temporaries fit 16 ymm

@@ -1,10 +1,11 @@
 // The learner's per-token log-probabilities from its lm_head logits, for x86-64 with AVX2 + FMA
 // (see README.md beside this file). A chunk of 512 response tokens over a 49k vocabulary is a
 // [512, 49152] tensor; PyTorch's logsumexp, log-softmax and entropy, and their backward, pass
-// over it ~15 times (each pass a new 100 MB fp32 tensor: .float(), / T, - max, exp, sum,
-// * ...), 230 ms per chunk on 2 cores, where the lm_head GEMMs take ~65 ms. Here the forward
-// reads each row twice while it sits in L2 (a 49k-row of bf16 is 96 KiB) and writes three
-// numbers; the backward reads it once and writes the gradient once, in the logits' dtype.
+// over it once per op (each pass a new 100 MB fp32 tensor: .float(), / T, - max, exp, sum,
+// * ...), longer than the lm_head GEMMs take (benchmarks/step_time.py, the update phase). Here
+// the forward reads each row twice while it sits in L2 (a 49k-row of bf16 is 96 KiB) and
+// writes three numbers; the backward reads it once and writes the gradient once, in the
+// logits' dtype.
 // Rows are independent: each is one thread's, so a row's results never depend on the batch.
 
 #include <stdint.h>

@@ -4,11 +4,12 @@ glibc's malloc serves every block above its mmap threshold (128 KiB, raised on t
 32 MiB) with a fresh `mmap` and hands it back to the kernel on `free`, and trims the heap top
 above 128 KiB. A training step allocates and frees gigabytes of activations, gradients and
 logits chunks in blocks of 1-100 MiB, so each new tensor's every page would be faulted in and
-zeroed by the kernel again, step after step: on a 2-core machine a visible share of the
-update's system time. `tune_allocator` raises the mmap threshold to 1 GiB and turns the trim
-off: freed blocks stay in the heap and the next step reuses them (a finite trim threshold
-still let some steps hand the heap top back and fault it in again). The resident size stays
-at the step's peak between steps; the peak itself does not grow.
+zeroed by the kernel again, step after step: a visible share of the update's system time
+(benchmarks/step_time.py measures it; QARL_MALLOC=default there measures glibc's own).
+`tune_allocator` raises the mmap threshold to 1 GiB and turns the trim off: freed blocks stay
+in the heap and the next step reuses them (a finite trim threshold still let some steps hand
+the heap top back and fault it in again). The resident size stays at the step's peak between
+steps; the peak itself does not grow.
 
 Huge pages: torch's CPU allocator advises the kernel to back blocks of 2 MiB and more with
 transparent huge pages when THP_MEM_ALLOC_ENABLE=1 is set before its first allocation;

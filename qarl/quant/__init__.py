@@ -23,7 +23,7 @@ Formats (`SCHEMES[name]`; scale conventions follow vLLM compressed-tensors unles
 - `w4a8-int`: the int4 group weights of w4a16-int4 with int8 per-token activations.
 A new format is one `Scheme` subclass passed to `register_scheme` (see README.md).
 
-Kernels (batch-invariant by construction or measurement; `describe(model)` names each layer's):
+Kernels (batch-invariant by construction or by test; `describe(model)` names each layer's):
 CPU with `qarl.native` (AVX2 + FMA and a C compiler): int8 on its exact int8 GEMM; int4 and
 w4a8 on its int4 GEMM; `none` (fp32 weights) and NVFP4 (dequantized) on its fp32 GEMM. CPU
 without it: int8 as an exact fp32 GEMM on integer codes (oneDNN-packed, else MKL sgemm;

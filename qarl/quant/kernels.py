@@ -8,11 +8,13 @@ How each kernel earns invariance:
   or oneDNN on a pre-packed weight) on integer-valued floats in K-chunks of at most 1024
   (|q| <= 127, so every partial sum is an integer below 1024 * 127^2 < 2^24, which fp32
   represents exactly), then add chunks in int32. All give the same int32 result; the fp32 ones
-  are 5-20x faster than _int_mm on CPUs without VNNI (see README).
+  are the faster ones on CPUs without VNNI (no benchmark times these fallbacks: re-measure
+  before changing `Int8Scheme.method`'s order).
 - `exact_fp8_gemm` / `exact_fp8_block_gemm`: every E4M3 value is a multiple of 2^-9 below
   2^9, so a product is a multiple of 2^-18 below 2^18 and a sum of up to 2^17 of them is exact
   in fp64 (53-bit significand): fp64 matmul over E4M3 values is the exact dot product.
-- `int4pack_mm`: PyTorch's CPU int4 kernel, measured invariant (tests check it per shape).
+- `int4pack_mm`: PyTorch's CPU int4 kernel, invariant by test, not by construction (the tests
+  check it per shape).
 - `batch_invariant_linear`: arbitrary floats, no exact formulation. Rows are processed in
   fixed tiles of BI_TILE rows (zero-padded), one `torch.mm` per tile, so every row goes through
   a GEMM call of the same shape [BI_TILE, K] x [K, N]; tested invariant over shapes/positions.
@@ -38,7 +40,7 @@ def batch_invariant_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> 
     """y = x w^T (+ b) with row-wise bits independent of the batch. x [M, K], w [N, K] -> [M, N].
 
     Computed in the dtype of w (x is cast to it). Cost: a row alone costs one [16, K] GEMM
-    instead of a GEMV (see README for the measured price).
+    instead of a GEMV (`benchmarks/quant_kernels.py --parts layers` times it against F.linear).
     """
     M = x.shape[0]
     pad = (-M) % BI_TILE
@@ -70,7 +72,7 @@ def exact_int8_gemm(xq: Tensor, wq: Tensor, method: str, chunks: list[Tensor] | 
     """Exact sum_k xq[m, k] wq[n, k] as int32 [M, N]. xq [M, K] int8, wq [N, K] int8.
 
     method "int_mm" uses torch._int_mm (pass `chunks = wq.t().contiguous()`, cached: oneDNN is
-    ~10x slower on the transposed view); "sgemm" fp32 GEMMs over exact K-chunks, "onednn" the
+    far slower on the transposed view); "sgemm" fp32 GEMMs over exact K-chunks, "onednn" the
     same on oneDNN-packed chunks (pass the cached `int8_chunks(wq, packed)` to skip converting
     the weight on every call). All three return the same int32 tensor.
     """
@@ -148,11 +150,11 @@ def int4pack_mm(x: Tensor, packed: Tensor, group_size: int, scales_and_zeros: Te
 
 
 # The learner's fp32 GEMMs on the CPU: MKL (torch's own matmul) or oneDNN. MKL runs its AVX2
-# code on AMD CPUs; oneDNN dispatches on the CPU's flags and runs AVX-512 there. Measured on 2
-# AMD EPYC Zen 5 cores, [240 x 576] x [576 x 1536] products of the learner: MKL 1.95-2.0 ms,
-# oneDNN 0.85-1.0 ms for each of the forward, grad-input and grad-weight shapes; lm_head
-# [250 x 576] x [576 x 49152]: forward 90 vs 44 ms, grad-input 70 vs 39, grad-weight 97 vs 86
-# (docs/training.md). QARL_CPU_GEMM = "mkl" / "onednn" overrides the choice.
+# code on AMD CPUs; oneDNN dispatches on the CPU's flags and runs AVX-512 there, so on AMD CPUs
+# with AVX-512 oneDNN is the faster library at the learner's shapes (the decoder's projections
+# and the lm_head; forward, grad-input and grad-weight alike). Measured by
+# benchmarks/step_time.py run with QARL_CPU_GEMM=mkl and QARL_CPU_GEMM=onednn, which override
+# the choice (docs/performance.md).
 CPU_GEMM_ENV = "QARL_CPU_GEMM"
 CPU_GEMMS = ("mkl", "onednn")
 
@@ -168,16 +170,16 @@ def cpu_fp32_gemm(device: torch.device) -> str | None:
         if asked not in CPU_GEMMS:
             raise ValueError(f"{CPU_GEMM_ENV}={asked!r}; valid: {list(CPU_GEMMS)} (or unset)")
         return asked if asked == "mkl" or onednn_available(device) else "mkl"
-    # AVX2-only AMD CPUs keep MKL: there both run AVX2 code and MKL was the faster at every
-    # learner shape measured on a Zen 3 (docs/training.md)
+    # AVX2-only AMD CPUs keep MKL: there both libraries run AVX2 code and MKL is the faster at
+    # the learner's shapes (benchmarks/step_time.py with QARL_CPU_GEMM, as above)
     amd_avx512 = cpu_vendor() == "AuthenticAMD" and "avx512f" in cpu_flags()
     return "onednn" if onednn_available(device) and amd_avx512 else "mkl"
 
 
 # oneDNN keeps a primitive, with its buffers, per GEMM shape; a learner's row counts change
-# every micro-batch, and in 16 default-recipe steps the cache grew the peak RSS by 1.7 GB.
+# every micro-batch, so without padding that cache grows the run's peak RSS step after step.
 # Row counts (and a row-count reduction) padded with zeros to a multiple of this keep the
-# shapes few (300 random row counts: 0.78 -> 0.26 GB); zero rows add exact zeros.
+# shapes few; zero rows add exact zeros. Peak RSS: benchmarks/step_time.py --rounds.
 ONEDNN_ROWS = 64
 
 

@@ -34,8 +34,8 @@ master weight, which every in-place optimizer update, `copy_` or `.to()` changes
 never re-quantizes; a training step re-quantizes exactly once, at the next forward.
 `install(qw)` puts an already-quantized weight in the cache as-is (the engine side).
 `release_master()` keeps only the codes and scales: an engine's copy that decodes and
-receives QWeights never reads its full-precision weight, and 135M fp32 parameters of a copy
-are 0.4 GB of a run's peak memory.
+receives QWeights never reads its full-precision weight, and an fp32 copy of every quantized
+layer's weight would add to a run's peak memory (benchmarks/step_time.py --rounds records it).
 """
 
 from __future__ import annotations

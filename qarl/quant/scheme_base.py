@@ -122,9 +122,9 @@ class Scheme:
 
     def bound(self, qw: QWeight, device: torch.device):
         """`rows [M, K] -> matmul(rows, qw)` for checked inputs on `device`, with the kernel
-        choice and operand preparation done once: what the engine's fused blocks call ~100
-        times per token (`run_rows(scheme.bound(qw, d), x, bias, N) == scheme.linear(x, qw,
-        bias)` bit for bit)."""
+        choice and operand preparation done once: what the engine's fused blocks call at every
+        decode step (`run_rows(scheme.bound(qw, d), x, bias, N) == scheme.linear(x, qw, bias)`
+        bit for bit)."""
         return lambda rows: self.matmul(rows, qw)
 
     def native_operand(self, qw: QWeight, device: torch.device) -> tuple[nat.GemmKind, object] | None:

@@ -20,9 +20,10 @@ from qarl.quant.scheme_base import Scheme
 @dataclass(frozen=True)
 class Int8Scheme(Scheme):
     """W8A8 int8: symmetric per-channel weights, dynamic symmetric per-token activations.
-    gemm: "auto" (CUDA: int_mm; a CPU with AMX-INT8: native, qarl.native's AMX tiles, 1.1-6.8x
-    torch._int_mm at every shape measured; a CPU with VNNI: int_mm, oneDNN's int8 GEMM on those
-    instructions; else native if it runs here, else onednn, else sgemm), "native",
+    gemm: "auto" (CUDA: int_mm; a CPU with AMX-INT8: native, qarl.native's AMX tiles, faster
+    than torch._int_mm there; a CPU with VNNI: int_mm, oneDNN's int8 GEMM on those
+    instructions; else native if it runs here, else onednn, else sgemm; measured by
+    benchmarks/quant_kernels.py --parts int8), "native",
     "int_mm", "onednn" or "sgemm"; all give identical int32 accumulators and the same scale
     products, hence identical outputs (see kernels.exact_int8_gemm), on every CPU.
     QWeight: codes [N, K] int8 in [-127, 127]; scales [N] float32 (s = max|w| / 127)."""
@@ -42,9 +43,9 @@ class Int8Scheme(Scheme):
         if device.type == "cuda":
             return "int_mm"
         if self._amx(device):
-            return "native"  # qarl/native/README.md: 1.7-4.4x _int_mm at 32 rows, 1.1-6.8x at 768
+            return "native"  # AMX tiles beat _int_mm at a few rows and at many (--parts int8)
         if K.onednn_available(device) and has_int8_dot():
-            return "int_mm"  # 3-4x qarl.native's AVX2 int8 GEMM at every batch size measured
+            return "int_mm"  # VNNI: faster than qarl.native's AVX2 int8 GEMM (--parts int8)
         if K.native_ok(device):
             return "native"
         return "onednn" if K.onednn_available(device) else "sgemm"
@@ -77,8 +78,8 @@ class Int8Scheme(Scheme):
     def act_qdq_to(self, x: Tensor, dtype: torch.dtype) -> Tensor:
         if dtype == torch.bfloat16 and x.device.type == "cpu" and K.native_ok(x.device) \
                 and x.dtype in (torch.float32, torch.bfloat16):
-            # one pass per row: on [768 x 576] rows 0.22 ms where quantize, multiply and cast
-            # took 1.5 ms (AMX Xeon; qarl/quant/README.md)
+            # one pass per row, where quantize, multiply and cast are separate passes over x,
+            # each with its own temporary (benchmarks/step_time.py times the learner's pass)
             return nat.qdq_s8_rows_bf16(x)
         return super().act_qdq_to(x, dtype)
 
@@ -103,10 +104,10 @@ class Int8Scheme(Scheme):
     def kernel_for_gradients(self, device: torch.device,
                              compute: torch.dtype = torch.float32) -> bool:
         # fp32 pass: exact int32 sums at int8 speed (int_mm / native; AVX2 kept as it was). A
-        # bf16 pass (CUDA, AMX CPUs) runs the bf16 GEMM on the weight dequantized once per
-        # version, as a full-precision learner's pass does: on an AMX Xeon a [768 x 576] @
-        # [576 x 1536] product takes 0.64 ms in bf16, 1.41 ms as torch._int_mm before the
-        # activations' quantization and scaling (qarl/quant/README.md)
+        # bf16 pass (CUDA, CPUs with AMX-BF16) runs the bf16 GEMM on the weight dequantized once
+        # per version, as a full-precision learner's pass does: there the bf16 GEMM is faster
+        # than torch._int_mm even before the activations' quantization and scaling, which
+        # _int_mm adds (benchmarks/step_time.py, train.quant_backward as an arm's override)
         return compute == torch.float32
 
     def _rows_method(self, x: Tensor) -> str:
@@ -136,7 +137,7 @@ class Int8Scheme(Scheme):
         if method in ("sgemm", "onednn"):
             operand = self.prepared(qw, xq.device, method,
                                     lambda: K.int8_chunks(qw.codes, method == "onednn"))
-        elif xq.device.type == "cpu":  # int_mm: oneDNN is 10x faster on a contiguous [K, N]
+        elif xq.device.type == "cpu":  # int_mm: oneDNN is far faster on a contiguous [K, N]
             operand = self.prepared(qw, xq.device, "int_mm-kn", lambda: [qw.codes.t().contiguous()])
         acc = K.exact_int8_gemm(xq, qw.codes, method, operand)  # [M, N] int32, exact
         # y = (acc * s_x) * s_w
@@ -161,14 +162,15 @@ class Int8Scheme(Scheme):
 
 
 # Below this many rows qarl.native's int8 GEMM (VNNI where the CPU has it) beats oneDNN's
-# torch._int_mm; from it on oneDNN is 2-4x faster (Intel Xeon, AVX512-VNNI, 2 threads:
-# qarl/native/README.md). Integer sums are exact, so the switch never changes a bit.
+# torch._int_mm on CPUs with VNNI; from it on oneDNN is the faster (measured by
+# benchmarks/quant_kernels.py --parts int8 --rows 1,16,32,256; re-measure before changing it).
+# Integer sums are exact, so the switch never changes a bit.
 INT_MM_MIN_ROWS = 16
 
 
 def _int8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """numerics.int8_rows of activations [M, K]: qarl.native's one-pass quantizer on a CPU
-    where it runs (the same bits, ~4x faster), else the torch ops."""
+    where it runs (the same bits in one pass), else the torch ops."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and K.native_ok(x.device):
         return nat.quantize_s8_rows(x)
     return nm.int8_rows(x)
@@ -210,7 +212,7 @@ class Int8Codes:
         # contraction n, so s_w moves onto g's columns; g' = g s_w is quantized per row like an
         # activation and g W_hat ~ s_g[m] sum_n q_g[m, n] q[n, k], the sum exact in int32. The
         # codes [N, K] are already the [contraction, output] operand torch._int_mm takes. The
-        # one approximation is g' rounded to int8: 0.9% of the result's norm for Gaussian g.
+        # one approximation is g' rounded to int8: at most half a step, s_g / 2, per element.
         g = g.float()
         native = g.device.type == "cpu" and K.native_ok(g.device)
         # one pass, g' never written out, where qarl.native runs (the same bits)

@@ -67,7 +67,7 @@ class LocalEngine:
     with finish reason "length" even before `max_new_tokens`. prepack_weights: on CPU, decode
     plain fp32 linears on packed weights (qarl.native's panels, or oneDNN's blocked layout
     without it) and decoder blocks as fused blocks (faster; rounding differs from `F.linear`
-    by ~1e-6 relative, see `qarl.rollout.prepack`); False runs each module's own forward.
+    by fp32 summation order, see `qarl.rollout.prepack`); False runs each module's own forward.
     fuse_blocks: False packs each linear on its own instead of fusing blocks (for comparison).
     share_prompts: rows with the same prompt (a GRPO group) prefill once and copy its keys,
     values and logits: the same bits as a prefill per row; False prefills every row.
@@ -134,9 +134,9 @@ class LocalEngine:
 
     def release_caches(self) -> None:
         """`Engine.release_caches`: drop the decode plan's packs (packed panels, row-stacked
-        codes, the packed lm_head: 0.36 GB for smollm2-135m in W8A8). A pack is rebuilt
-        whenever the weights it was built from change, so between a step's rollouts and the
-        push of the updated weights it is never read again."""
+        codes, the packed lm_head; peak RSS: benchmarks/step_time.py --rounds). A pack is
+        rebuilt whenever the weights it was built from change, so between a step's rollouts and
+        the push of the updated weights it is never read again."""
         self._planner.clear()
 
     def close(self) -> None:

@@ -75,8 +75,7 @@ class DecodePlanner:
 
     pack_weights=False plans every module's own forward (no packs); fuse_blocks=False packs
     each plain fp32 linear on its own instead of fusing blocks (for comparison). Costs one
-    extra copy of the packed weights in memory; packing the 109M config takes ~0.3 s on the
-    development machine."""
+    extra copy of the packed weights in memory and one packing pass per weight version."""
 
     def __init__(self, pack_weights: bool = True, fuse_blocks: bool = True):
         self.pack_weights = pack_weights

@@ -5,9 +5,8 @@ time is the GEMM time plus a fixed cost per op. `F.linear` hands the weight to M
 stored layout, which re-lays it out on every call; a weight packed once skips that. Packing
 goes to `qarl.native` (24-column panels, a kernel made for few-row products: AVX2 tiles of 4
 rows, AVX-512 tiles of 8 where the CPU has AVX-512F, the same bits) where it runs, else to
-oneDNN's blocked layout. Measured on the 2-core AVX2 development machine for a
-[16, 1024] x [1024, 3072] product: 1.67 ms with `F.linear`, 1.1 ms oneDNN-packed, 0.85 ms
-native (M=1: 0.41, 0.21, 0.19 ms).
+oneDNN's blocked layout. `benchmarks/quant_kernels.py --parts layers,f32` times the native
+packed GEMM against `F.linear` at decode's row counts.
 
 What is packed (`qarl.rollout.plan` decides which path each layer runs):
 
@@ -26,7 +25,8 @@ What is packed (`qarl.rollout.plan` decides which path each layer runs):
   once per shared input, then `F.linear` on each layer's cached dequantized weight
   (`_fake_pack`: each layer's outputs bit for bit, no weight copied); what the fused block
   changes is the rest (qarl.native's RMSNorm, SwiGLU and one-call decode attention in place
-  of ~25 PyTorch ops and SDPA), to fp32 rounding. Measured in docs/benchmarks.md.
+  of many PyTorch ops and SDPA), to fp32 rounding. Measured by the old_logp phase of
+  `benchmarks/step_time.py --arm fake:quant.align=fake`.
 - `linear_source`: any other plain fp32 CPU `nn.Linear` (lm_head, the linears of blocks that
   are partly quantized or customized) gets its own packed weight.
 
@@ -36,7 +36,7 @@ layer's installed QWeight. A pack whose key no longer matches is rebuilt, so upd
 (`LocalEngine.load_weights`, an optimizer step on a shared model) are never served stale.
 Quantized layers always run their scheme's kernel; bf16 layers (no bf16 arithmetic on this
 CPU) and accelerator tensors are not packed. Packed GEMMs differ from `F.linear` by rounding
-only (~1e-6 relative in fp32: summation order); two models with identical weights compute
+only (fp32 summation order); two models with identical weights compute
 identically on them, which is what `LocalEngine.score` relies on (the native kernels are also
 batch-invariant: a row's bits never depend on the other rows).
 """

@@ -82,8 +82,8 @@ def inverse_cdf(logits: Tensor, u: Tensor, temperature: float = 1.0) -> Tensor:
     probability exceeds u * total. logits: [B, V] float32 (-inf where truncated); u: [B]
     float64 uniforms in [0, 1) -> [B] int64.
 
-    One uniform per row instead of Gumbel-max's one exponential per vocabulary entry (~22 ms
-    per step at batch 16 over a 49k vocabulary on the development CPU, more than the model):
+    One uniform per row instead of Gumbel-max's one exponential per vocabulary entry (batch x
+    vocabulary draws per step from PyTorch's CPU generator):
     qarl.native's one-pass kernel where it runs (it divides by the temperature itself, the same
     fp32 division), else the same method in PyTorch ops (fp64 cumulative sums). The two agree
     except where a cumulative sum lands within rounding of u * total, so a seed's draws can

@@ -23,7 +23,7 @@ How the contract is met:
   the sampler's distribution only for greedy decoding or temperature 1 without top-k / top-p
   (the RL defaults); other settings raise. They come from one prefill over the sequence, not
   from replayed decode steps, so they equal `generate`'s logprobs up to the GEMM rounding of a
-  different batch shape (measured in tests/vllm_engine), not bit for bit.
+  different batch shape (tests/vllm_engine checks it), not bit for bit.
 - load_weights: non-quantized tensors (embedding, norms, lm_head, full-precision linears) go
   through vLLM's in-place reload (`reload_weights`, layerwise processing); each quantized
   linear gets its checkpoint-format tensors (q/k/v and gate/up stacked as vLLM fuses them) and
@@ -35,7 +35,8 @@ The dtype vLLM runs in (`dtype`, `rollout.vllm_dtype`): float32, the learner's p
 wherever vLLM's int8 kernel takes it; bfloat16 where it does not (x86 CPUs with AMX, whose int8
 kernel takes only 16-bit activations: `qarl.rollout.vllm_support`) or for a bfloat16 master.
 In bfloat16 vLLM's embeddings, norms, attention, activations and lm_head round to bf16 where
-the `fake` learner computes in fp32: the measured gap is in qarl/rollout/README.md.
+the `fake` learner computes in fp32 (measured by `benchmarks/vllm_int8_gap.py --dtype
+bfloat16`).
 
 vLLM's CPU W8A8 int8 GEMM (oneDNN) is not exact on x86 CPUs without VNNI (AVX2 / AVX-512
 without `avx512_vnni`, `avx_vnni` or AMX): its oneDNN kernel stores the activation codes as
@@ -43,17 +44,17 @@ u = q + 128 (uint8) and multiplies with `vpmaddubsw`, which adds each pair of ad
 products u_k w_k + u_k+1 w_k+1 into int16 with saturation at +-32767 (two products of
 255 x 127 reach 64770), then subtracts 128 * sum_k w_k. qarl's int8 GEMMs are exact
 (qarl.native keeps |q| <= 127 in the uint8 operand and puts the sign on the weight, so a pair
-stays below 2 x 127 x 127 < 32767). On SmolLM2-135M the saturation moves a linear layer's
-output by 1e-2 relative (median; up to 0.13), where qarl's exact GEMM matches the float64
-reference to 4e-8; the emulation (each adjacent pair clamped to int16) reproduces vLLM's
-outputs to fp32 rounding (< 5e-8) on all 120 int8 layers of one prefill, given vLLM's
-activation codes (its quantizer multiplies by 1 / s where qarl divides by s: 4 of 7.7M codes
-round the other way). With VNNI (vpdpbusd adds four products in int32) the same layers match
-the exact products to 4.4e-8 (measured on an Intel Xeon with AVX512-VNNI). Even so vLLM's
-int8 logprobs are tenths of a nat from qarl's: per-token int8 activation quantizers amplify
-last-bit differences of attention and norms (qarl's own exact engine against its fake learner
-shows the same floor). `int8_gemm_saturates()` tells whether this CPU saturates; the engine
-logs a warning at start and `describe` names the kernel of every layer.
+stays below 2 x 127 x 127 < 32767). The saturation moves a linear layer's output far past fp32
+rounding, where qarl's exact GEMM matches the float64 reference to fp32 rounding; an emulation
+(each adjacent pair clamped to int16) reproduces vLLM's outputs to fp32 rounding, given vLLM's
+activation codes (its quantizer multiplies by 1 / s where qarl divides by s, so a few codes
+round the other way). With VNNI (vpdpbusd adds four products in int32) vLLM's layers match the
+exact products to fp32 rounding. Even so vLLM's int8 logprobs are not qarl's: per-token int8
+activation quantizers amplify last-bit differences of attention and norms into flipped codes
+(qarl's own exact engine against its fake learner shows the same floor).
+`benchmarks/vllm_int8_gap.py` measures each of these, per layer and per seed.
+`int8_gemm_saturates()` tells whether this CPU saturates; the engine logs a warning at start
+and `describe` names the kernel of every layer.
 """
 
 from __future__ import annotations

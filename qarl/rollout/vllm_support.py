@@ -10,14 +10,14 @@ layer when the weights are loaded (`CPUInt8ScaledMMLinearKernel.process_weights_
   "int8_scaled_mm_with_quant: expect A to be bfloat16 or half" at its first forward. Its
   integer sums are exact; its activation codes are quantized from the 16-bit activations.
 - **oneDNN** everywhere else, in fp32 or 16-bit. Exact int32 sums with VNNI (`avx512_vnni`,
-  `avx_vnni`, `amx_int8`: four products summed in int32); without VNNI (AVX2 only, e.g. Zen 3)
-  it adds each pair of uint8 x int8 products into int16 with saturation (`vpmaddubsw`), 1e-2
-  relative per layer on SmolLM2 (qarl/rollout/vllm_engine.py has the arithmetic).
+  `avx_vnni`, `amx_int8`: four products summed in int32); on AVX2-only CPUs (no VNNI) it adds
+  each pair of uint8 x int8 products into int16 with saturation (`vpmaddubsw`), off the exact
+  products (qarl/rollout/vllm_engine.py has the arithmetic).
 
 So `rollout.vllm_dtype = "auto"` runs vLLM in float32 (the learner's precision) wherever its
 int8 kernel takes it, and in bfloat16 where it does not (AMX CPUs with an int8 scheme, or a
-bfloat16 master); "float32" there is refused at config load. Measured effects of each kind:
-qarl/rollout/README.md.
+bfloat16 master); "float32" there is refused at config load. qarl/rollout/README.md explains
+each kind's effect; benchmarks/vllm_int8_gap.py measures it.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def int8_cpu_kernel(flags: set[str] | None = None) -> str:
 FLOAT32_ON_AMX = ("vLLM's CPU build runs int8 W8A8 layers on its AMX kernel on this CPU (AMX "
                   "tiles: AMX-INT8 / AMX-BF16), which takes only bfloat16 / float16 "
                   "activations; use rollout.vllm_dtype = 'auto' or 'bfloat16' (vLLM's "
-                  "activations in bf16, the learner's in fp32: qarl/rollout/README.md has the "
-                  "measured gap), or rollout.engine = 'local'")
+                  "activations in bf16, the learner's in fp32: benchmarks/vllm_int8_gap.py "
+                  "--dtype bfloat16 measures the gap), or rollout.engine = 'local'")
 
 
 def resolve_dtype(requested: str, master_dtype: str, int8_needs_16bit: bool) -> str:

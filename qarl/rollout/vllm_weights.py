@@ -186,8 +186,8 @@ def int8_layer_errors(llm, qarl_model: CausalLM, prompts: list[list[int]]) -> di
     """Per int8 layer vLLM serves, on one prefill of `prompts`: its output's relative error
     against the exact products of its own input (quantized by vLLM's per-token quantizer)
     with `qarl_model`'s codes and scales, ||y - (x_q w_q^T) s_x s_w|| / ||(x_q w_q^T) s_x s_w||
-    in float64: fp32 rounding (~5e-8) where vLLM's int8 sums are exact, 1e-2 where they
-    saturate, bf16 rounding (~4e-3) where vLLM runs in bfloat16."""
+    in float64: fp32 rounding where vLLM's int8 sums are exact, far more where they saturate,
+    bf16 rounding where vLLM runs in bfloat16 (benchmarks/vllm_int8_gap.py reports them)."""
     errors = {}
     for name, (x, y) in int8_layer_io(llm, prompts).items():
         wq, ws = fused_codes(qarl_model, name)

@@ -1,6 +1,6 @@
 """`math_answer`: the reward for math datasets, by math-verify.
 
-Its own module because importing math-verify (sympy) takes about a second: a reward worker
+Its own module because importing math-verify (it loads sympy) is slow: a reward worker
 pays it once at start-up, before any deadline runs, and `import qarl.tasks` does not pay it.
 """
 

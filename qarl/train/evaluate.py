@@ -36,9 +36,9 @@ def full_precision_copy(learner: CausalLM) -> CausalLM:
 
     Its parameters share the masters' storage instead of copying them (`build_model` assigns
     tensors already in its dtype and contiguous as they are): evaluation only reads them (its
-    engine packs what it decodes with), and a copy would put 0.54 GB for smollm2-135m on top
-    of the optimizer state, making the run's final evaluation its peak (docs/training.md,
-    "Memory")."""
+    engine packs what it decodes with), and copying them would put one more fp32 copy of the
+    weights on top of the optimizer state, making the run's final evaluation its peak
+    (docs/training.md, "Memory")."""
     adapters = set(lora_names(learner))
     masters = {name: p.detach() for name, p in learner.named_parameters() if name not in adapters}
     masters.update(merged_weights(learner))

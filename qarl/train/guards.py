@@ -9,7 +9,7 @@
   gradients and settings AdamW and Muon cannot make a weight non-finite (Adam's step is
   bounded by lr times a constant, Muon's is orthogonalized), so this catches what no input
   check can: a bug or a hardware fault. Undoing such a step would take a copy of every
-  weight and moment before each step (1.6 GB on SmolLM2-135M); stopping at the last
+  weight and moment before each step (three fp32 copies of the model); stopping at the last
   checkpoint, intact, takes none.
 - Out of memory: `out_of_memory_message` names the settings to lower.
 - A stop signal: `RunStopped`, raised after the checkpoint of the finished steps is saved.
@@ -61,9 +61,10 @@ def settings_finite(optimizers: list[torch.optim.Optimizer]) -> bool:
 
 def check_weights(named: list[tuple[str, torch.Tensor]]) -> None:
     """Raise NonFiniteWeights naming the tensors of `named` ((name, weight) pairs; on FSDP
-    ranks the local shards) that hold a NaN or an infinity. One fused L2-norm pass (~0.07 s
-    for SmolLM2-135M on 2 cores); a tensor whose norm is not finite is then checked element by
-    element, so huge but finite weights are not mistaken for non-finite ones."""
+    ranks the local shards) that hold a NaN or an infinity. One fused L2-norm pass over them
+    (benchmarks/step_time.py times it within the update); a tensor whose norm is not finite is
+    then checked element by element, so huge but finite weights are not mistaken for non-finite
+    ones."""
     if not named:
         return
     norms = torch._foreach_norm([t.detach() for _, t in named])

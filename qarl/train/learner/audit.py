@@ -13,8 +13,8 @@ an alert only if the whole batch, replayed in its sampled shape, differs too: th
 uses that replay, `audit/failed` is 1 in its metrics, the log says so, and the run replays
 every row from then on (`full_replay`, kept in its checkpoints). Where the whole replay equals
 the sampler's logprobs, the difference came from the audited rows' smaller batch alone (a
-kernel whose rounding depends on the batch: seen once in 16 steps of the default run, 1.9e-6
-nats, while the whole replay matched bit for bit): the step keeps the sampler's logprobs,
+kernel whose rounding depends on the batch: rare, and of last-bit size, while the whole replay
+matches bit for bit): the step keeps the sampler's logprobs,
 `audit/batch_shape_diff` records the difference, and the audits go on. `naive` / `fake`
 alignment, vLLM and mixture-of-experts models (whose routing metrics need the learner's own
 experts on every row) always replay the whole batch.

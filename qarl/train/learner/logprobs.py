@@ -12,9 +12,10 @@ Two ways to compute logp(response | prompt) for a RolloutBatch:
   LocalEngine around the learner model). On CPU this is what makes
   `old_logp == rollout_logp` bit for bit: same kernels, same shapes, same summation order.
   A full-sequence forward computes the same function with other shapes (attention over a KV
-  cache vs a causal pass, other GEMM paths): ~1e-6 apart in full precision, but activation
-  quantizers amplify that into whole rounding steps (smollm2-135m W8A8: ~0.1 nats mean).
-  The replay must also use the batch shape that was sampled. Figures: docs/alignment.md.
+  cache vs a causal pass, other GEMM paths): last bits apart in full precision, but
+  activation quantizers amplify that into whole rounding steps. The replay must also use the
+  batch shape that was sampled. Why: docs/alignment.md; how far apart, per scheme: `qarl
+  parity` (benchmarks/parity_table.py).
 
 `ForwardScorer` is the replay's stand-in under `train.logp_path = 'forward'` (naive and fake
 alignment): logp values by `response_logprobs` without grad.
@@ -46,8 +47,8 @@ class _NativeTokenLogp(torch.autograd.Function):
     """logp [C] (with grad) and entropy [C] (without) of logits [C, V] on the CPU, by
     qarl.native's one-pass kernels (`native.token_logp`): the same values as the PyTorch ops
     below to fp32 rounding, and the gradient (g / T)(onehot - softmax) written once, in the
-    logits' dtype, where PyTorch's logsumexp, log-softmax, entropy and their backward make
-    ~15 [C, V] fp32 tensors (230 of a chunk's 300 ms on 2 cores, docs/training.md)."""
+    logits' dtype, where PyTorch's logsumexp, log-softmax, entropy and their backward make a
+    new [C, V] fp32 tensor per op (benchmarks/step_time.py times the update)."""
 
     @staticmethod
     def forward(ctx, logits, tokens, temperature):
@@ -165,8 +166,8 @@ class ForwardScorer:
     optimizer step equals old_logp exactly where the weights did not move. It is the value
     verl's `compute_log_prob` and TRL take, and no pass of a `naive` or `fake` learner equals
     the sampler's anyway; it differs from the decode-path replay by the rounding of other
-    shapes (docs/training.md). No routing table: a MoE model's routing-disagreement metric
-    needs the decode-path replay."""
+    shapes (docs/learner.md#logp-values-by-the-forward). No routing table: a MoE model's
+    routing-disagreement metric needs the decode-path replay."""
 
     def __init__(self, model: CausalLM, rows: int, precision: Precision):
         self.model, self.rows, self.precision = model, rows, precision

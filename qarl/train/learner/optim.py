@@ -47,10 +47,10 @@ def build_optimizer(
 
 def _adamw(params: list[nn.Parameter], lr: float, weight_decay: float,
            betas: tuple[float, float]) -> torch.optim.AdamW:
-    """AdamW, fused (one kernel over every tensor: 0.13 s a step for smollm2-135m on 2 Xeon
-    cores against 0.70 s for the per-tensor loop, docs/benchmarks.md) where torch has the
-    fused kernel for the parameters: plain fp32/bf16 tensors on CPU or CUDA. Sharded (FSDP)
-    parameters keep the per-tensor loop."""
+    """AdamW, fused (one kernel over every tensor, far faster than the per-tensor loop:
+    benchmarks/step_time.py times the update) where torch has the fused kernel for the
+    parameters: plain fp32/bf16 tensors on CPU or CUDA. Sharded (FSDP) parameters keep the
+    per-tensor loop."""
     fused = bool(params) and all(
         type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda")
         and p.dtype in (torch.float32, torch.bfloat16) for p in params)
@@ -60,7 +60,7 @@ def _adamw(params: list[nn.Parameter], lr: float, weight_decay: float,
         # The fused kernel writes the parameters without bumping their version counters, which
         # is how every QuantLinear knows its quantized weight is stale (qarl/quant/linear.py):
         # the learner's replay would run the old codes while the engine got new ones (the
-        # replay audit flagged it: audit/abs_diff_max 0.02 at the first audited step).
+        # replay audit flags that at the first audited step).
         adamw.register_step_post_hook(lambda opt, args, kwargs: increment_version(
             [p for group in opt.param_groups for p in group["params"]]))
     return adamw

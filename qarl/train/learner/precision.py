@@ -8,12 +8,13 @@ cheaper dtype without moving old_logp, the ratio or the trust band: under bfloat
 runs under `torch.autocast` and the straight-through backward of every QuantLinear
 (`qarl.quant.linear`) multiplies in bf16 with fp32 results. Master weights and optimizer
 state stay in model.master_dtype (float32), which is what lets small AdamW updates land:
-bf16 master weights round an lr-2e-5 update away (docs/training.md).
+bf16 master weights round an lr-2e-5 update away
+(docs/learner.md#the-gradient-passs-precision).
 
-In fp32 the same freedom lets the pass pick its GEMM library: on CPUs where oneDNN beats
-torch's MKL (AMD: `kernels.cpu_fp32_gemm`), `LearnerLinears` routes the learner's plain linears
-through oneDNN and QuantLinear's backward takes `kernels.learner_mm`; the gradient changes by
-fp32 summation order only.
+In fp32 the same freedom lets the pass pick its GEMM library: on AMD CPUs with AVX-512, where
+MKL runs its AVX2 code and oneDNN is the faster (`kernels.cpu_fp32_gemm`), `LearnerLinears`
+routes the learner's plain linears through oneDNN and QuantLinear's backward takes
+`kernels.learner_mm`; the gradient changes by fp32 summation order only.
 """
 
 from __future__ import annotations
@@ -89,10 +90,11 @@ class Precision:
 
 def resolve_compute_dtype(requested: str, device: torch.device) -> torch.dtype:
     """train.compute_dtype as a torch dtype on `device` ('auto': bf16 on CUDA and on CPUs with
-    AMX-BF16, where a bf16 GEMM is several times an fp32 one; float32 on other CPUs, where
-    it is about as fast: with AVX512-BF16 alone the default run took 81-85 s per seed in fp32 by
-    oneDNN and 83-99 s in bf16 on AMD Zen 5, 126 vs 122 s on Zen 4, and recipes/tbpo.toml's
-    longer rows 40.4 vs 37.6 s per step on Zen 4: docs/training.md)."""
+    AMX-BF16, where a bf16 GEMM is much faster than an fp32 one; float32 on other CPUs, where a
+    step gains little from bf16: with AVX512-BF16 alone the GEMMs are faster, but the forward,
+    the straight-through backward's casts and attention are not GEMMs. Measured by
+    benchmarks/step_time.py with train.compute_dtype as the arms' override;
+    docs/learner.md#the-gradient-passs-precision)."""
     if requested == "auto":
         fast = device.type == "cuda" or (device.type == "cpu" and has_amx_bf16())
         return torch.bfloat16 if fast else torch.float32
@@ -141,8 +143,8 @@ def describe_quant_backward(backward: str, requested: str, scheme: str,
 
 class _LearnerLinear(torch.autograd.Function):
     """y = x W^T (+ b) with its three GEMMs by oneDNN (`kernels.onednn_mm`): the gradient
-    pass's fp32 linear on a CPU whose MKL is the slower library (`learner_linear` decides;
-    module docstring of qarl.quant.kernels: ~2x on AMD Zen 5). x [M, K] fp32, weight [N, K]
+    pass's fp32 linear on a CPU whose MKL is the slower library, an AMD CPU with AVX-512
+    (`kernels.cpu_fp32_gemm` decides, and its comment says why). x [M, K] fp32, weight [N, K]
     fp32, bias [N] or None."""
 
     @staticmethod

@@ -27,7 +27,8 @@ from qarl.algo import (
     validate_correction_params,
     validate_loss_params,
 )
-from qarl.config.errors import Problem, short, suggest, unknown_key
+from qarl.config.errors import Problem, short, suggest
+from qarl.config.names import check_name, param_problems
 from qarl.config.compare_schema import flatten_overrides
 from qarl.config.dist_checks import dist_is_possible
 from qarl.config.lora_checks import lora_fits
@@ -38,49 +39,28 @@ from qarl.config.train_checks import (
     masters_can_learn,
 )
 from qarl.config.resources import RESOURCE_CHECKS
+from qarl.config.task_checks import one_task_source, reward_exists
 from qarl.model import SUPPORTED_ARCHITECTURES, ZOO
 from qarl.model.config import MOE_FAMILIES
 from qarl.quant import SCHEMES, scheme_options
 from qarl.rollout.engines import ENGINES
-from qarl.tasks import REWARDS, TASKS, task_options
 
-DATASET_SUFFIXES = (".jsonl", ".parquet")
-
-
-def param_problems(
-    path: str, params: Mapping[str, Any], valid: list[str],
-    validator: Callable[[str, dict], Any] | None = None, name: str = "",
-) -> list[Problem]:
-    """Unknown names in `params` (each with the closest valid one); if there are none, what
-    the owning module's `validator(name, params)` says about the values."""
-    unknown = [unknown_key(path, key, valid, "parameter") for key in params if key not in valid]
-    return unknown or _validate_with(path, validator, name, params)
-
-
-def check_name(path: str, name: str, table: Any, what: str) -> list[Problem]:
-    """`name` must be a key of `table`."""
-    if name in table:
-        return []
-    return [Problem(path, f"unknown {what} {name!r}; {suggest(name, list(table))}")]
-
-
-def _validate_with(path: str, validator: Any, name: str, params: Mapping) -> list[Problem]:
-    """Run a module's own `validate_*(name, params)`; what it raises becomes the problem."""
-    if validator is None:
-        return []
-    try:
-        validator(name, dict(params))
-    except (ValueError, TypeError, KeyError) as error:
-        return [Problem(path, str(error).strip("'\""))]
-    return []
+NAME_MAX = 200  # a run folder name: under the 255 bytes of file systems, with room for suffixes
 
 
 def run_name_is_a_folder(run) -> list[Problem]:
-    """run.name is usable as a folder name."""
-    if run.name is None or re.fullmatch(r"[A-Za-z0-9._-]+", run.name):
+    """run.name is usable as a folder name: letters, digits, '.', '_' and '-', at most
+    NAME_MAX characters (file systems take 255 bytes; qarl adds suffixes such as
+    `damaged_`)."""
+    if run.name is None:
         return []
-    return [Problem("run.name", f"{short(run.name)} is not a plain folder name; use letters, "
-                                "digits, '.', '_' and '-' only")]
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", run.name):
+        return [Problem("run.name", f"{short(run.name)} is not a plain folder name; use "
+                                    "letters, digits, '.', '_' and '-' only")]
+    if len(run.name) > NAME_MAX:
+        return [Problem("run.name", f"is {len(run.name)} characters long, more than a folder "
+                                    f"name may be ({NAME_MAX}); use a shorter one")]
+    return []
 
 
 def batch_is_whole_groups(rollout) -> list[Problem]:
@@ -117,48 +97,6 @@ def batch_is_whole_micro_batches(rollout, train) -> list[Problem]:
     return []
 
 
-def one_task_source(task) -> list[Problem]:
-    """Exactly one of task.name and task.dataset is set; a dataset is an existing .jsonl or
-    .parquet file; a task name exists in qarl.tasks.TASKS; task.options are options of the
-    task (for a dataset: of the 'dataset' task, less path and reward which have their own keys)."""
-    if task.name is None and task.dataset is None:
-        return [Problem("task", "set task.name (a built-in task, e.g. 'addition') or "
-                                "task.dataset (a .jsonl or .parquet file)")]
-    if task.name is not None and task.dataset is not None:
-        return [Problem("task", f"both name ({task.name!r}) and dataset ({task.dataset!r}) are "
-                                "set; keep one (on the command line unset the other with "
-                                "--task.name= or --task.dataset=)")]
-    if task.dataset is None:
-        problems = check_name("task.name", task.name, TASKS, "task")
-        if problems:
-            return problems
-        return param_problems("task.options", task.options, list(task_options(task.name)))
-    problems = []
-    if not Path(task.dataset).is_file():
-        problems.append(Problem("task.dataset", f"file {task.dataset!r} does not exist"))
-    if not task.dataset.endswith(DATASET_SUFFIXES):
-        problems.append(Problem("task.dataset", f"{task.dataset!r} is neither .jsonl nor "
-                                                ".parquet; convert it to one of them"))
-    valid = [key for key in task_options("dataset") if key not in ("path", "reward")]
-    problems += param_problems("task.options", task.options, valid)
-    return problems
-
-
-def reward_exists(task) -> list[Problem]:
-    """task.reward is a built-in reward (qarl.tasks.REWARDS) or 'module:function'."""
-    if task.reward is None or re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", task.reward):
-        return []
-    if task.reward in REWARDS:
-        return []
-    if suggest(task.reward, REWARDS).startswith("did"):
-        return [Problem("task.reward", f"{short(task.reward)} is not a built-in reward; "
-                                       f"{suggest(task.reward, REWARDS)} (or give "
-                                       "'module:function')")]
-    return [Problem("task.reward", f"{short(task.reward)} is neither a built-in reward "
-                                   f"({', '.join(sorted(REWARDS))}) nor 'module:function' "
-                                   "(e.g. 'my_rewards:exact_match')")]
-
-
 def scheme_exists(quant) -> list[Problem]:
     """quant.scheme is a name in qarl.quant.SCHEMES; quant.options are options the scheme
     takes; the full-precision scheme ('none') takes no options."""
@@ -178,10 +116,9 @@ def loss_exists(algo) -> list[Problem]:
     qarl.algo.validate_loss_params); algo.aggregation (which every loss takes) is in
     qarl.algo.AGGREGATIONS and is not also set in loss_params."""
     problems = check_name("algo.loss", algo.loss, LOSSES, "loss")
-    if problems:
-        return problems
-    problems += param_problems("algo.loss_params", algo.loss_params, list(loss_params(algo.loss)),
-                               validate_loss_params, algo.loss)
+    if not problems:  # a loss's parameters are known once the loss is
+        problems += param_problems("algo.loss_params", algo.loss_params,
+                                   list(loss_params(algo.loss)), validate_loss_params, algo.loss)
     if algo.aggregation is None:
         return problems
     problems += check_name("algo.aggregation", algo.aggregation, AGGREGATIONS, "aggregation")

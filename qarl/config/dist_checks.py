@@ -37,8 +37,13 @@ def dist_is_possible(dist, rollout, train) -> list[Problem]:
         problems.append(Problem("dist.rollout_workers", f"{dist.rollout_workers} is more than "
                                 f"the {rollout.batch_size} sequences of a step "
                                 "(rollout.batch_size); lower it"))
-    # the micro-batches of one optimizer step (of a mini-batch: train.mini_batches)
-    micro_batches = rollout.batch_size // train.micro_batch_size // max(1, train.mini_batches)
+    # the micro-batches of one optimizer step (of a mini-batch: train.mini_batches); where the
+    # batch does not split into them, batch_is_whole_micro_batches says so and nothing here
+    # would add to it
+    per_step = train.micro_batch_size * max(1, train.mini_batches)
+    if rollout.batch_size % per_step:
+        return problems
+    micro_batches = rollout.batch_size // per_step
     if dist.learner_ranks > micro_batches:
         problems.append(Problem("dist.learner_ranks", f"{dist.learner_ranks} is more than the "
                                 f"{micro_batches} micro-batches of an optimizer step "

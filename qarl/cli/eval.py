@@ -9,7 +9,6 @@ full-precision master weights. Prints a table, or JSON with --json.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 ACCEPTS_OVERRIDES = True
@@ -25,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from qarl import jsonio
     from qarl.config import load_config
     from qarl.errors import UserError
     from qarl.model import DTYPES
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
             policy.sync.push()
         metrics = evaluate(policy, data, config)
     if args.json:
-        print(json.dumps(metrics, indent=1))
+        print(jsonio.dumps(metrics, indent=1))
     else:
         for key, value in sorted(metrics.items()):
             print(f"{key:45s} {value:.4f}")

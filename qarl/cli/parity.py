@@ -7,9 +7,9 @@ without and with routing replay, with the fraction of tokens routed to other exp
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from qarl import jsonio
 from qarl.rollout import ENGINES
 
 ACCEPTS_OVERRIDES = True  # --section.key=value on the recipe, checked by qarl.config
@@ -80,5 +80,5 @@ def run(args: argparse.Namespace) -> int:
     for arm in arms:  # one progress line per arm on stderr
         rows.append(arm_row(arm))
         print(progress_line(arm, rows[-1]), file=sys.stderr)
-    print(json.dumps(rows, indent=1) if args.json else format_table(rows))
+    print(jsonio.dumps(rows, indent=1) if args.json else format_table(rows))
     return 0

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from qarl import jsonio
 from qarl.report.compare import DEPLOYED, FIGURES, PHASES, Stat, summarize
 from qarl.report.compare_plots import plot_comparison
 from qarl.report.metrics_file import read_metrics
@@ -170,7 +171,7 @@ def write_report(folder: str | Path) -> list[Path]:
                   for seed in sorted(finished[arm])} for arm in order}
     table = summarize(runs, section.get("reference"), section.get("baseline"))
     images = plot_comparison(runs, table, folder)
-    (folder / "compare.json").write_text(json.dumps(as_json(table, section, unfinished),
+    (folder / "compare.json").write_text(jsonio.dumps(as_json(table, section, unfinished),
                                                     indent=1))
     (folder / "report.md").write_text(markdown(table, section, unfinished, images))
     return [folder / "report.md", folder / "compare.json", *images]

@@ -8,9 +8,10 @@ from typing import Any
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Every row of a metrics.jsonl file, in file order (blank lines skipped)."""
+    """Every row of a metrics.jsonl file, in file order (blank lines skipped); a figure the
+    file holds as null (missing or not finite at that step) is left out of its row."""
     rows = []
     for line in Path(path).read_text().splitlines():
         if line.strip():
-            rows.append(json.loads(line))
+            rows.append({k: v for k, v in json.loads(line).items() if v is not None})
     return rows

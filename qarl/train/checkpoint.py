@@ -46,6 +46,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from qarl import jsonio
 from qarl.errors import UserError
 from qarl.model.loading import check_safetensors
 from qarl.lora.layers import load_adapters, lora_names
@@ -163,7 +164,7 @@ def _write_files(tmp: Path, step: int, model, optimizers, state: dict, rng: RngS
         shutil.copyfile(metrics, tmp / METRICS)
     state = {**state, "step": step, "python_random": rng.python, "optimizers": opt_scalars,
              "optimizer_state": optimizer_state}
-    (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    (tmp / "state.json").write_text(jsonio.dumps(state, indent=1))
     for path in tmp.iterdir():
         _fsync(path)
     _fsync(tmp)

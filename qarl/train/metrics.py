@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import sys
 from pathlib import Path
 from typing import Any
+
+from qarl import jsonio
 
 
 # Figures shown on the progress bar: metric key -> short label.
@@ -56,7 +57,7 @@ class MetricsLogger:
         row = {"step": step, "kind": kind, **{k: _plain(v) for k, v in metrics.items()}}
         if self.jsonl:
             with self.path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write(jsonio.dumps(row) + "\n")
         if self.writer is not None:
             for key, value in row.items():
                 if isinstance(value, (int, float)) and key != "step":

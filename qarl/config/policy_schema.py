@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from qarl.config.section import CHECK, SPEED
+from qarl.config.section import CHECK
 from qarl.config.section import SECTION as _SECTION
 from qarl.quant import ALIGNS
 
@@ -92,9 +92,17 @@ class QuantSection(BaseModel):
     )
     over_budget: Literal["flag", "stop"] = Field(
         "flag",
-        description="A step whose learner-vs-sampler mismatch exceeds the measured budget of "
-        "its (scheme, align, engine) (qarl/train/budgets.json): 'flag' marks it "
-        "(contract/over_budget) and logs it; 'stop' ends the run before that step's update.",
+        description="A step whose learner-vs-sampler mismatch exceeds the run's budget (0 "
+        "where the replay is exact by construction; else budget_factor x the run's first "
+        "step: docs/contract.md): 'flag' marks it (contract/over_budget) and logs when it "
+        "starts and clears; 'stop' ends the run before that step's update.",
+        json_schema_extra=CHECK,
+    )
+    budget_factor: float = Field(
+        4.0, gt=1,
+        description="Where the replay is not exact by construction (fake, naive, vLLM, MoE, "
+        "CUDA), the mismatch budget is this multiple of the mean per-token mismatch the run's "
+        "first step measured, when the engine held exactly the learner's starting weights.",
         json_schema_extra=CHECK,
     )
     routing_replay: bool = Field(False, description="MoE models: the learner uses the experts the "

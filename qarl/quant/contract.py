@@ -110,5 +110,30 @@ def table_summary(rows: Sequence[LayerRow]) -> str:
     return f"{len(rows)} linear layers, learner = engine: " + ", ".join(parts)
 
 
+def settings(qw: QWeight) -> str:
+    """A QWeight's quantizer settings in words: its format (`qweight_format`) and the dtypes
+    of its codes and scales, everything a kernel reads them by."""
+    scales = "none" if qw.scales is None else str(qw.scales.dtype).removeprefix("torch.")
+    return (f"{qweight_format(qw)}, codes {str(qw.codes.dtype).removeprefix('torch.')}, "
+            f"scales {scales}{', zeros' if qw.zeros is not None else ''}"
+            f"{', global scale' if qw.global_scale is not None else ''}")
+
+
+def settings_mismatches(pushed: Mapping[str, object], held: Mapping[str, QWeight]) -> list[str]:
+    """'layer: learner <settings>, engine <settings>' for every QWeight of `pushed` (an
+    `export_state`, `<layer>.weight` keys) whose quantizer settings differ from those of the
+    codes the engine's layer holds (`held`: `Engine.qweights()`, layer keys). A layer the
+    engine holds no codes for is the layer table's business, not this check's."""
+    out = []
+    for key, qw in pushed.items():
+        layer = key.removesuffix(".weight")
+        if not isinstance(qw, QWeight) or layer not in held:
+            continue
+        mine, theirs = settings(qw), settings(held[layer])
+        if mine != theirs:
+            out.append(f"{layer}: learner {mine}, engine {theirs}")
+    return out
+
+
 def table_json(rows: Sequence[LayerRow]) -> list[dict]:
     return [asdict(r) for r in rows]

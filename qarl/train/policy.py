@@ -146,15 +146,6 @@ def replay_is_exact(config: RunConfig, moe: bool) -> bool:
             and not moe)
 
 
-def engine_label(config: RunConfig, engine: Engine) -> str:
-    """The engine as `qarl parity` and the mismatch budgets name it ("local", "vllm float32");
-    Ray actors of an engine kind share their kind's label (actor 0's dtype)."""
-    kind = ENGINES[config.rollout.engine]
-    if config.dist.rollout_workers > 1:
-        return kind.name if kind.name == "local" else f"{kind.name} {config.rollout.vllm_dtype}"
-    return kind.label(engine)
-
-
 def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | None = None,
                  run_dir: Path | None = None) -> Policy:
     """The policy pair; `learner`, when given, replaces loading `model.name` (warm start).
@@ -190,4 +181,4 @@ def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | No
     return Policy(AlignedLearner(passes, optimizers),
                   engine, WeightSync(learner, engine, config.quant.sync_check, adapters),
                   quantized=not identity, audit=audit,
-                  contract=RunContract(config, exact, engine_label(config, engine)))
+                  contract=RunContract(config, exact))

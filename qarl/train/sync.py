@@ -9,8 +9,10 @@ deployed low-bit policy at all (at small learning rates most int8 codes do not m
   (a LoRA run, after its first push: the adapters only).
 The comparison reads the engine's QuantLinear layers, so it means the same in every mode.
 
-And checks the quantization contract (qarl/quant/contract.py) after every push, where
-`quant.sync_check` is on (the default): the digests of what each engine replica now holds
+And checks the quantization contract (qarl/quant/contract.py) at every push: before the
+engine takes a whole state, each layer's codes must come in the quantizer settings the
+engine's layer decodes with (`refuse_other_settings`); after it, where `quant.sync_check` is
+on (the default), the digests of what each engine replica now holds
 (`Engine.weight_digests`, computed where the engine runs: a Ray actor sends digests, not
 weights) must equal those of what the learner pushed, else `ContractBroken` names the replica
 and the layers, before the engine samples from them. `contract/seconds` is its cost.
@@ -25,7 +27,7 @@ import torch
 
 from qarl.config import QuantSection
 from qarl.quant import QWeight, export_state
-from qarl.quant.contract import ContractBroken, LayerRow, layer_table
+from qarl.quant.contract import ContractBroken, LayerRow, layer_table, settings_mismatches
 from qarl.quant.digests import digest_mismatches, state_digests
 
 
@@ -47,6 +49,7 @@ class WeightSync:
             self.engine.load_weights(sent, partial=True)
         else:  # (an engine that takes no partial state is asked for whole ones only)
             sent = state
+            self.refuse_other_settings(sent)
             self.engine.load_weights(sent)
         self.pushed = True
         current = self.engine.qweights()
@@ -62,6 +65,18 @@ class WeightSync:
             metrics.update(code_changes(self.previous, current))
         self.previous = current
         return metrics
+
+    def refuse_other_settings(self, sent: dict) -> None:
+        """Raise ContractBroken, before the engine takes `sent`, where a layer's codes come in
+        other quantizer settings (format, group size, symmetry, shape, dtypes) than the codes
+        it decodes with: it would run them with the wrong kernel or scales."""
+        wrong = settings_mismatches(sent, self.previous or self.engine.qweights())
+        if wrong:
+            raise ContractBroken(
+                f"the learner's quantizer settings differ from the engine's for {len(wrong)} "
+                f"layer(s): {'; '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}. The engine "
+                "would decode the learner's codes with another kernel or scale layout; the run "
+                "stopped before it took them (check quant.options and what changed the layer)")
 
     def verify(self, state: dict) -> None:
         """Raise ContractBroken unless every engine replica holds exactly `state`."""

@@ -60,7 +60,7 @@ def test_runs_are_train_runs_and_report_is_their_metrics(compared):
         assert (run / "summary.json").exists() and (folder / arm / "seed0.log").exists()
         rows = read_metrics(run / "metrics.jsonl")
         assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2]
-        # the shipped mismatch budgets never flag a shipped recipe's step
+        # the run's mismatch budget never flags a healthy run's step
         assert [r["contract/over_budget"] for r in rows if r["kind"] == "train"] == [0.0, 0.0]
         runs[arm] = {0: rows}
     report = json.loads((folder / "compare.json").read_text())
@@ -97,7 +97,7 @@ def test_second_compare_keeps_resumes_and_reports_failures(compared, capsys, mon
     assert "warm start" not in err
     assert "naive/seed0: finished before, not run again" in err
     assert "qarl/seed0: done in" in err
-    assert "fp/seed0: FAILED (exit status 1)" in err and "another qarl process" in err
+    assert "fp/seed0: FAILED (exit status 2)" in err and "another qarl process" in err
     assert f"log: {folder / 'fp' / 'seed0.log'}" in err
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in kept} == kept
     assert (folder / "qarl" / "seed0" / "summary.json").exists()

@@ -1,7 +1,10 @@
-"""The quantization contract and the monitors in a run (`tiny`, in process): planted drift is
-caught at the step it happens with the layer named, a planted over-budget step is flagged (or
-stops the run before its update), and a planted length collapse stops a run early with its
-checkpoint saved."""
+"""The quantization contract and the monitors in a run (`tiny`, in process), each against a
+planted fault: altered scales are caught by the sync's digests at the step they happen, with
+the layer named; a layer full precision on the engine stops the run before step 1; codes in
+another group size are refused at the sync; with the digests off, a stale engine (fake
+alignment) or altered codes (kernel alignment) go over the run's mismatch budget, flagged or
+stopping the run before its update; a planted length collapse with a falling reward stops a
+run early with its checkpoint saved."""
 
 from __future__ import annotations
 
@@ -11,13 +14,13 @@ import json
 import pytest
 
 from qarl.quant import quant_layers
-from qarl.train.budgets import Budget
 from qarl.rollout import LocalEngine
 from qarl.train import policy as setup, trainer
 from qarl.train.guards import TrainingAborted
 from qarl.train.trainer import train
 
 LAYER = "model.layers.1.mlp.down_proj"
+ENGINE_LOAD = LocalEngine.load_weights
 SMALL = {"train.steps": 3, "rollout.batch_size": 8, "train.micro_batch_size": 8,
          "eval.size": 8, "eval.every": 0, "eval.full_precision": False, "log.plot": False,
          "sft.steps": 4}
@@ -82,40 +85,115 @@ def test_a_layer_full_precision_on_the_engine_stops_before_step_1(tmp_path, monk
     assert [r["layer"] for r in rows if r["status"] == "exempt"] == [LAYER]
 
 
-def _tight_budget(monkeypatch):
-    tight = Budget("w4a16-int4 fake (local engine)", "mismatch/abs_diff_mean", 1e-9, "planted")
-    monkeypatch.setattr("qarl.train.budgets.mismatch_budget", lambda *a, **k: tight)
+def _stale_engine(monkeypatch):
+    """The engine takes each push one push late: from step 2 on it samples with the weights
+    of the step before the learner's."""
+    install = ENGINE_LOAD  # the real one, also where a test planted a lag before
+    held = []
+
+    def late(self, state, partial=False):
+        held.append(state)
+        install(self, held[-2] if len(held) > 1 else state, partial)
+
+    monkeypatch.setattr(LocalEngine, "load_weights", late)
 
 
-def test_an_over_budget_step_is_flagged_and_can_stop_the_run(tmp_path, monkeypatch, capsys):
-    """A budget far below `fake` int4's mismatch: every step is flagged (contract/over_budget
-    = 1, the limit logged, one log line naming the budget); the shipped budget flags none.
-    With quant.over_budget = 'stop' the run ends in step 1 before its update: no checkpoint."""
-    fake = {"quant.scheme": "w4a16-int4", "quant.align": "fake", "train.steps": 2}
-    train("tiny", _overrides(tmp_path, **fake, **{"run.name": "shipped"}))
-    assert [r["contract/over_budget"] for r in _rows(tmp_path / "shipped")] == [0.0, 0.0]
-    _tight_budget(monkeypatch)
-    train("tiny", _overrides(tmp_path, **fake, **{"run.name": "flagged"}))
-    rows = _rows(tmp_path / "flagged")
-    assert [r["contract/over_budget"] for r in rows] == [1.0, 1.0]
-    assert rows[0]["contract/budget"] == 1e-9
-    assert "exceeds the w4a16-int4 fake (local engine) budget of 1e-09" in capsys.readouterr().err
-    with pytest.raises(TrainingAborted, match="step 1: mismatch/abs_diff_mean = .* exceeds"
-                                              ".*quant.over_budget = 'stop'"):
+def test_a_stale_engine_goes_over_the_calibrated_budget(tmp_path, monkeypatch, capsys):
+    """fake alignment, the digests off, the engine one weight version behind from step 2: the
+    run's budget (budget_factor x step 1's mismatch, when the engine held the learner's own
+    starting weights) flags the steps the engine lags at, one log line per episode naming the
+    metric and how many times step 1's it is; the same run with the engine in step flags
+    nothing. With quant.over_budget = 'stop' the run ends at the first such step, before its
+    update, the checkpoint of the step before intact."""
+    fake = {"quant.align": "fake", "quant.sync_check": False, "train.steps": 4,
+            "rollout.batch_size": 64, "train.micro_batch_size": 32, "train.checkpoint_every": 1}
+    train("tiny", _overrides(tmp_path, **fake, **{"run.name": "in-step"}))
+    assert [r["contract/over_budget"] for r in _rows(tmp_path / "in-step")] == [0.0] * 4
+    _stale_engine(monkeypatch)
+    capsys.readouterr()
+    train("tiny", _overrides(tmp_path, **fake, **{"run.name": "stale"}))
+    rows = _rows(tmp_path / "stale")
+    flags = [r["contract/over_budget"] for r in rows]
+    assert flags[0] == 0.0 and 1.0 in flags  # step 1 calibrates; a lagging step is over
+    budget = 4 * rows[0]["mismatch/abs_diff_mean"]
+    for row, flag in zip(rows[1:], flags[1:]):
+        assert row["contract/budget"] == pytest.approx(budget)
+        assert flag == float(row["mismatch/abs_diff_mean"] > budget)
+    episodes = sum(1 for before, now in zip([0.0] + flags, flags) if now > before)
+    err = capsys.readouterr().err
+    assert err.count("over the mismatch budget: mismatch/abs_diff_mean = ") == episodes
+    first = flags.index(1.0) + 1
+    _stale_engine(monkeypatch)  # a new engine, in step at its first push
+    with pytest.raises(TrainingAborted, match=rf"step {first}: mismatch/abs_diff_mean = .* x "
+                                              r"the .* of the run's first step.*"
+                                              r"quant.over_budget"):
         train("tiny", _overrides(tmp_path, **fake, **{"run.name": "stopped",
                                                       "quant.over_budget": "stop"}))
-    assert not (tmp_path / "stopped" / "latest").exists()
+    assert (tmp_path / "stopped" / f"step_{first - 1:06d}").is_dir()
+    assert not (tmp_path / "stopped" / f"step_{first:06d}").exists()
+
+
+def test_altered_codes_go_over_the_exact_budget_without_the_digests(tmp_path, monkeypatch):
+    """kernel alignment, the digests off, one layer's scales altered by the engine's install
+    from the second push on: old_logp is no longer the sampler's, and the exact budget (0 on
+    the largest difference) flags step 2 and every step after."""
+    install = LocalEngine.load_weights
+    pushes = []
+
+    def altering(self, state, partial=False):
+        install(self, state, partial)
+        pushes.append(1)
+        if len(pushes) >= 2:
+            layer = quant_layers(self.model)[LAYER]
+            layer._qweight = copy.copy(layer._qweight)
+            layer._qweight.scales = layer._qweight.scales * 1.5
+
+    monkeypatch.setattr(LocalEngine, "load_weights", altering)
+    train("tiny", _overrides(tmp_path, **{"quant.sync_check": False,
+                                          "train.audit_fraction": 1.0}))
+    rows = _rows(tmp_path / "tiny")
+    assert [r["contract/over_budget"] for r in rows] == [0.0, 1.0, 1.0]
+    assert rows[1]["mismatch/abs_diff_max"] > 0 and rows[1]["contract/budget"] == 0.0
+
+
+def test_codes_of_another_group_size_are_refused_at_the_sync(tmp_path, monkeypatch):
+    """After step 1 one learner layer starts quantizing in groups of 128 where the engine's
+    layer decodes groups of 64 (w4a16-int4): the push that ends step 1 is refused before the
+    engine takes it, naming the layer and both settings."""
+    from qarl.quant.schemes import make_scheme
+    from qarl.train.learner import update
+
+    step = update.update_policy
+    regrouped = []
+
+    def regrouping(passes, *args):
+        metrics = step(passes, *args)
+        if not regrouped:
+            layer = quant_layers(passes.model)[LAYER]
+            layer.scheme = make_scheme(layer.scheme, group_size=128)
+            layer.forget()
+            regrouped.append(LAYER)
+        return metrics
+
+    monkeypatch.setattr("qarl.train.learner.learner.update_policy", regrouping)
+    layer = LAYER.replace(".", "[.]")
+    with pytest.raises(TrainingAborted, match=rf"step 1: the learner's quantizer settings differ"
+                                              rf".*{layer}: learner w4a16-int4 g128 sym.*engine "
+                                              r"w4a16-int4 g64 sym"):
+        train("tiny", _overrides(tmp_path, **{"quant.scheme": "w4a16-int4"}))
+    assert regrouped == [LAYER]
 
 
 def test_a_length_collapse_stops_the_run_early_with_its_checkpoint(tmp_path, monkeypatch):
-    """Responses planted to shrink to a fifth from step 3 on: with window 2 the length monitor
-    fires at step 4 (ratio (0.2 + 0.2) / 2 / 1 < 0.5); with monitor.early_stop the run ends
-    there: step 4's checkpoint saved, the final eval run, summary.json names the alert; the
-    monitor's history is in the checkpoint."""
+    """Responses planted to shrink to a fifth, and the reward from 1 to 0, from step 3 on: with
+    window 2 the length monitor fires at step 4 (ratio (0.2 + 0.2) / 2 / 1 < 0.5, the reward
+    fell); with monitor.early_stop the run ends there: step 4's checkpoint saved, the final
+    eval run, summary.json names the alert; the monitor's history is in the checkpoint."""
     rl_step = trainer.rl_step
 
     def collapsing(policy, data, config, step):
         metrics = rl_step(policy, data, config, step)
+        metrics["reward/mean"] = 1.0 if step < 2 else 0.0  # and worse answers: a collapse
         if step >= 2:
             metrics["response/length_mean"] = 0.2 * metrics["response/length_mean"]
         return metrics

@@ -15,6 +15,7 @@ from qarl.quant import SCHEMES
 from qarl.rollout import LocalEngine
 from qarl.train.learner.logprobs import ForwardScorer, response_logprobs
 from qarl.train.phases import Experience
+from qarl.train.budgets import FLOOR
 from qarl.train.data import sampling_params
 from qarl.train.folder import open_run
 from qarl.train.sft import warm_start
@@ -159,17 +160,19 @@ def test_a_later_step_reading_its_own_forward_is_the_same_update(tmp_path, monke
 def test_a_fake_step_with_forward_values(tmp_path):
     """One rl_step of a fake learner with train.logp_path = 'forward' and two mini-batches:
     every row's old_logp comes from the forward (audit/full_replay), the mismatch against the
-    sampler is measured (and has no budget: budgets are the decode path's), the second step is
-    off-policy, and the weights move."""
+    sampler is measured and calibrates the run's budget (the first step measured), the second
+    step is off-policy, and the weights move."""
     config = _config(tmp_path, **{"train.mini_batches": 2, "algo.loss": "tbpo"})
     with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
-        assert policy.contract.budget is None
+        assert not policy.contract.budget.exact and policy.contract.budget.limit is None
         before = [p.detach().clone() for p in policy.learner.model.parameters()]
         metrics = rl_step(policy, data, config, step=1)
         after = list(policy.learner.model.parameters())
     assert metrics["audit/full_replay"] == 1.0 and metrics["audit/replayed_frac"] == 1.0
     assert 0.0 < metrics["mismatch/abs_diff_mean"] < 0.05
-    assert "contract/over_budget" not in metrics
+    assert metrics["contract/over_budget"] == 0.0
+    assert metrics["contract/budget"] == pytest.approx(
+        max(FLOOR, 4 * metrics["mismatch/abs_diff_mean"]))
     assert metrics["policy/optimizer_steps"] + metrics["policy/skipped_steps"] == 2.0
     assert any(not torch.equal(b, a) for b, a in zip(before, after))
 

@@ -2,16 +2,15 @@
 folder (config, tokenizer, weight headers), the dataset file and its splits, the reward
 function, the scheme's and the task's option values, the run folder, and non-finite numbers.
 
-They read (headers, the dataset, a reward module's source) but never write, and run with the
-other checks when the recipe loads, so every problem is reported at once, before any work and
+They read (headers, the dataset) and import a recipe's own reward module (to show an error it
+raises as such, and to bind its signature to the task's fields), but never write, and run
+with the other checks when the recipe loads, so every problem is reported at once, before any work and
 before the run folder is touched. Each guards itself: a name the name checks already refuse
 is not checked again here.
 """
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -24,6 +23,7 @@ from qarl.model import ZOO
 from qarl.model.check import model_problems
 from qarl.quant import SCHEMES, make_scheme, scheme_options
 from qarl.tasks import TASKS, make_task, task_options
+from qarl.tasks.rewards import check_signature, load_reward
 
 
 def finite_numbers(sections: Mapping[str, Any]) -> list[Problem]:
@@ -99,51 +99,40 @@ def task_loads(task, eval) -> list[Problem]:
 
 
 def reward_loads(task) -> list[Problem]:
-    """A 'module:function' reward names a module that exists and, where its source can be
-    read without running it, defines the function at its top level."""
+    """A 'module:function' reward imports (an error while its module runs is shown as such,
+    with where it was raised), names a function, and takes a call (prompt, completion,
+    **fields) with the fields of the task's first training row, as the reward workers will
+    make it; all before any model loads."""
     if task.reward is None or ":" not in task.reward:
-        return []
-    module, _, attr = task.reward.partition(":")
+        return []  # a built-in reward; reward_exists names an unknown one
     try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError) as err:  # a parent package that fails to import
-        return [Problem("task.reward", f"{task.reward!r}: cannot look up module {module!r} "
-                                       f"({err}); check the name and sys.path / PYTHONPATH")]
-    if spec is None:
-        return [Problem("task.reward", f"{task.reward!r}: module {module!r} is not found from "
-                                       f"{os.getcwd()}; check the name and that its folder is on "
-                                       "sys.path / PYTHONPATH, or install its package")]
-    name = attr.split(".")[0]
-    defined = _top_level_names(spec.origin)
-    if defined is not None and name not in defined:
-        return [Problem("task.reward", f"{task.reward!r}: {spec.origin} defines no {name!r} at "
-                                       f"its top level; names there: {sorted(defined)[:20]}")]
+        fn = load_reward(task.reward)
+    except (ImportError, ValueError, TypeError) as err:
+        return [Problem("task.reward", str(err))]
+    example = _first_example(task)
+    if example is None:
+        return []  # the task does not build: task_loads / one_task_source say why
+    try:
+        check_signature(fn, task.reward, example.reward_kwargs())
+    except TypeError as err:
+        return [Problem("task.reward", str(err))]
     return []
 
 
-def _top_level_names(origin: str | None) -> set[str] | None:
-    """Names a Python source file binds at its top level; None when that cannot be told
-    without running it (no source, a syntax error the import will report, a star import)."""
-    if origin is None or not origin.endswith(".py"):
+def _first_example(task) -> Any:
+    """The task's first training example, or None where the task does not build."""
+    named = "dataset" if task.dataset is not None else task.name
+    if named not in TASKS or set(task.options) - set(task_options(named)):
+        return None
+    if task.dataset is not None and not Path(task.dataset).is_file():
         return None
     try:
-        tree = ast.parse(Path(origin).read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, UnicodeDecodeError):
+        built = (make_task("dataset", path=task.dataset, **task.options)
+                 if task.dataset is not None else make_task(task.name, **task.options))
+        examples = built.examples("train", 1, 0)
+    except (ValueError, TypeError, OSError):
         return None
-    names: set[str] = set()
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            names.add(node.name)
-        elif isinstance(node, ast.Import | ast.ImportFrom):
-            if any(a.name == "*" for a in node.names):
-                return None
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
-        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
-        elif isinstance(node, ast.If | ast.Try | ast.With | ast.For | ast.While):
-            return None  # names bound conditionally: only running it would tell
-    return names
+    return examples[0] if examples else None
 
 
 def run_folder_writable(run) -> list[Problem]:

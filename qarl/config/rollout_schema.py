@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from qarl.config.section import SPEED
+from qarl.config.section import CHECK, SPEED
 from qarl.config.section import SECTION as _SECTION
 from qarl.rollout.engines import ENGINES
 from qarl.rollout.vllm_support import VLLM_DTYPES
@@ -94,6 +94,12 @@ class TaskSection(BaseModel):
     )
     reward_workers: int = Field(2, ge=1, description="Worker processes that compute rewards.",
                                 json_schema_extra=SPEED)
+    reward_error_warn: float = Field(
+        0.1, ge=0, le=1, description="Warn when more than this fraction of a step's (or an "
+        "evaluation's) reward calls fail (an error or a timeout: each scores None, never 0); "
+        "the warning is logged when it starts and when it clears, and each distinct error is "
+        "kept in the run folder's reward_errors.txt. Every call of the run's first batch "
+        "failing stops the run (exit status 2).", json_schema_extra=CHECK)
     eval_size: int = Field(200, ge=1, description="Held-out prompts for evaluation.")
     max_prompt_tokens: int = Field(
         256, ge=1, description="Prompts longer than this (after templating) are an error."

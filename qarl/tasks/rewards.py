@@ -9,6 +9,8 @@ trainer or inside a reward worker process.
 from __future__ import annotations
 
 import importlib
+import inspect
+import traceback
 from typing import Any
 
 from qarl.tasks.base import RewardFn
@@ -58,7 +60,11 @@ def load_reward(name_or_spec: str) -> RewardFn:
                 f"reward module {module_name!r} (from {spec!r}) was not found; check the name "
                 "and that its folder is on sys.path / PYTHONPATH or the package is installed"
             ) from e
-        raise ImportError(f"importing reward module {module_name!r} failed: {e}") from e
+        raise ImportError(f"importing reward module {module_name!r} failed: "
+                          f"{last_frame(e)}") from e
+    except Exception as e:  # the module's own code raised while it was imported
+        raise ImportError(f"importing reward module {module_name!r} raised "
+                          f"{last_frame(e)}") from e
     target: Any = module
     for part in attr_path.split("."):
         if not hasattr(target, part):
@@ -74,3 +80,30 @@ def load_reward(name_or_spec: str) -> RewardFn:
             "callable (prompt, completion, **fields) -> float | None"
         )
     return target
+
+
+def last_frame(exc: BaseException) -> str:
+    """'Type: message (at file:line in function)' of an exception: where in a user's code it
+    was raised, without the rest of the traceback."""
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames:
+        last = frames[-1]
+        text += f" (at {last.filename}:{last.lineno} in {last.name})"
+    return text
+
+
+def check_signature(fn: RewardFn, spec: str, fields: dict[str, Any]) -> None:
+    """Raise TypeError unless `fn` takes a call (prompt, completion, **fields) with these
+    fields, as the reward runner makes it; the message names the fields and the fix."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin or C function without a signature: its first call will tell
+    try:
+        signature.bind("prompt", "completion", **fields)
+    except TypeError as err:
+        raise TypeError(
+            f"reward {spec!r}{signature} cannot take a call (prompt, completion, "
+            f"**fields) with this task's fields {sorted(fields)}: {err}; define it as "
+            "def fn(prompt, completion, **fields) -> float | None") from None

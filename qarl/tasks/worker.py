@@ -25,21 +25,15 @@ import json
 import math
 import signal
 import sys
-import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from qarl.tasks.rewards import load_reward
+from qarl.tasks.rewards import last_frame, load_reward
 
 
 def describe(exc: BaseException) -> str:
     """'Type: message (at file:line in function)' of an exception raised by a reward."""
-    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    frames = traceback.extract_tb(exc.__traceback__)
-    if frames:
-        last = frames[-1]
-        text += f" (at {last.filename}:{last.lineno} in {last.name})"
-    return text
+    return last_frame(exc)
 
 
 def send(conn: Connection, message: Any) -> None:

@@ -11,6 +11,7 @@ from qarl.config import RolloutSection, RunConfig, TaskSection
 from qarl.errors import UserError
 from qarl.model.tokenizer import Tokenizer
 from qarl.tasks import Example, RewardRunner, Task, make_task
+from qarl.train.reward_watch import RewardWatch
 from qarl.types import SamplingParams
 
 
@@ -87,6 +88,7 @@ class Data:
     prompts: PromptEncoder
     rewards: RewardRunner
     eval_examples: list[Example]
+    watch: RewardWatch  # what the run does with rewards that fail
 
     def close(self) -> None:
         self.rewards.close()
@@ -107,7 +109,18 @@ def build_data(config: RunConfig, tokenizer: Tokenizer, run_dir: Path) -> Data:
     task, prompts = prompt_side(config, tokenizer)
     report_dataset(task, run_dir)
     reward_spec = config.task.reward or task.reward_spec
-    rewards = RewardRunner(reward_spec, num_workers=config.task.reward_workers,
-                           timeout_s=config.task.reward_timeout_s)
+    try:
+        rewards = RewardRunner(reward_spec, num_workers=config.task.reward_workers,
+                               timeout_s=config.task.reward_timeout_s)
+    except RuntimeError as err:  # a worker that cannot load the reward, or does not start
+        raise UserError(f"task.reward: {err}") from None
     eval_examples = task.examples("eval", config.eval.size, config.run.seed)
-    return Data(task, tokenizer, prompts, rewards, eval_examples)
+    first_step = task.examples("train", config.rollout.batch_size // config.rollout.group_size,
+                               config.run.seed)
+    try:  # prompts too long for task.max_prompt_tokens: said now, before any model loads
+        prompts.encode_prompts(first_step + eval_examples)
+    except ValueError as err:
+        rewards.close()
+        raise UserError(f"task.max_prompt_tokens: {err}") from None
+    watch = RewardWatch(reward_spec, run_dir, config.task.reward_error_warn)
+    return Data(task, tokenizer, prompts, rewards, eval_examples, watch)

@@ -16,6 +16,7 @@ import time
 from functools import cache
 from pathlib import Path
 
+from qarl import jsonio
 from qarl.algo.diagnostics import error_token_metrics
 from qarl.config import EvalSection, RunConfig
 from qarl.model import CausalLM
@@ -108,7 +109,7 @@ def _write_shared(path: Path | None, metrics: dict[str, float]) -> None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(f"{path.name}.{os.getpid()}.part")
-    part.write_text(json.dumps(metrics, indent=1))
+    part.write_text(jsonio.dumps(metrics, indent=1))
     os.replace(part, path)
 
 
@@ -148,6 +149,7 @@ def evaluate(policy: Policy, data: Data, config: RunConfig) -> dict[str, float]:
         batch = generate_all(engine, prompt_ids, sampling, seed=config.run.seed)
         result, completions = reward_responses(data.tokenizer, data.rewards, examples, batch,
                                                group_size=1)
+        data.watch.observe(result, f"the {label.replace('_', '-')} evaluation")
         own.update({key.split("/", 1)[1]: value for key, value in reward_metrics(result).items()})
         verdicts = [grammar(c) for c in completions] if grammar else None
         own.update(error_token_metrics(batch.response_ids, batch.response_mask,

@@ -8,11 +8,13 @@ import fcntl
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Callable, Iterator
 
 import torch
+from torch import nn
 
 from qarl.config import RunConfig, save_resolved
+from qarl.errors import UserError
 from qarl.model import CausalLM, load_tokenizer
 from qarl.train.data import Data, build_data
 from qarl.train.policy import Policy, build_policy
@@ -37,7 +39,7 @@ def lock_run_dir(run_dir: Path) -> IO:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.close()
-        raise RuntimeError(
+        raise UserError(
             f"another qarl process is running in {run_dir}; wait for it, or give this run "
             f"another name (--run.name=...) or output folder (--run.output_dir=...)"
         ) from None
@@ -58,13 +60,17 @@ def open_run_folder(config: RunConfig) -> RunFolder:
 
 
 @contextmanager
-def open_run(config: RunConfig, learner: CausalLM | None = None
+def open_run(config: RunConfig, learner: CausalLM | Callable[[], CausalLM | None] | None = None
              ) -> Iterator[tuple[RunFolder, Policy, Data]]:
-    """The run's folder, policy pair and data side, closed (lock, reward workers) on exit.
-    `learner`, when given, replaces loading `model.name` (warm-started weights)."""
+    """The run's folder, data side and policy pair, closed (lock, reward workers) on exit.
+    `learner`, when given, replaces loading `model.name` (warm-started weights), or makes them
+    (a function, called once the data side is built). The folder and the data side come
+    first: a folder in use, a task that does not fit or a reward that does not load is
+    refused before any model loads."""
     with closing(open_run_folder(config)) as folder:
-        torch.manual_seed(config.run.seed)
         tokenizer = load_tokenizer(config.model.name)
-        with closing(build_policy(config, tokenizer, learner, folder.path)) as policy, \
-                closing(build_data(config, tokenizer, folder.path)) as data:
-            yield folder, policy, data
+        with closing(build_data(config, tokenizer, folder.path)) as data:
+            model = learner if learner is None or isinstance(learner, nn.Module) else learner()
+            torch.manual_seed(config.run.seed)  # the policy's random init (LoRA) and the run's
+            with closing(build_policy(config, tokenizer, model, folder.path)) as policy:
+                yield folder, policy, data

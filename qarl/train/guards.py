@@ -43,7 +43,7 @@ class RunStopped(Exception):
             f"{name}: stopped; {checkpoint} holds the finished steps; continue with: qarl "
             f"train --resume {run_dir}" if checkpoint is not None else
             f"{name}: stopped before the first RL step (in the warm-start SFT); nothing was "
-            "saved: run the same command again to start")
+            f"saved: run the same command again, or qarl train --resume {run_dir}, to start")
 
 
 class NonFiniteWeights(TrainingAborted):

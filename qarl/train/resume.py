@@ -32,7 +32,7 @@ RESUME_FREE = ("train.steps", "train.micro_batch_size", "train.device",
                "train.audit_fraction",
                "train.audit_full_every", "run.output_dir", "run.name", "run.resume", "log.",
                "dist.", "monitor.", "quant.contract_exempt", "quant.sync_check",
-               "quant.over_budget")
+               "quant.over_budget", "quant.budget_factor", "task.reward_error_warn")
 
 
 def _free(key: str) -> bool:
@@ -144,9 +144,9 @@ def resume_config(run_dir: str | Path, overrides: Mapping[str, Any] | Sequence[s
         raise ConfigError(refused, f"--resume {run_dir}")
     run_dir = run_dir.resolve()
     found, damaged = checkpoint.find(run_dir)
-    if found is None and not damaged:
-        raise UserError(f"--resume {run_dir}: the run folder holds no checkpoint yet (a run "
-                        "saves one every train.checkpoint_every steps and at its end), so "
-                        "there is nothing to resume; start the run again with its recipe")
+    if found is None and not damaged:  # stopped before its first checkpoint (in the warm start)
+        print(f"--resume {run_dir}: no checkpoint yet (a run saves one every "
+              "train.checkpoint_every steps and at its end): the run starts from step 1 with "
+              "its saved recipe", file=sys.stderr)
     location = {"run.output_dir": str(run_dir.parent), "run.name": run_dir.name, "run.resume": True}
     return load_config(path, {**overrides, **location})

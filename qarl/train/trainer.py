@@ -14,11 +14,11 @@ the checkpoint of its finished steps; a non-finite update is skipped and counted
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from qarl import jsonio
 from qarl.config import RunConfig, load_config, to_toml
 from qarl.native.memory import tune_allocator
 from qarl.quant.contract import ContractBroken
@@ -61,6 +61,7 @@ def rl_step(policy: Policy, data: Data, config: RunConfig, step: int) -> dict[st
         batch = batch.to(policy.device)  # where a remote or vLLM engine's batch is not
     with timer("reward"):
         scored, completions = reward_responses(data.tokenizer, data.rewards, examples, batch, G)
+        data.watch.observe(scored, f"step {step + 1}")  # RewardsFailed: a reward that never works
     advantages, rows, group_metrics = compute_advantages(scored.rewards, batch, config.algo, G)
     check_stop()
     with timer("old_logp"):  # a replay, or an audit of one where it is exact (learner/audit.py)
@@ -95,7 +96,8 @@ def train(recipe: str | Path | Mapping | RunConfig | None = None,
     config = load_config(recipe, overrides)  # every problem reported before any work starts
     tune_allocator()  # freed activation blocks reused step after step (qarl/native/memory.py)
     start = resume_point(config)  # a recipe that does not fit the checkpoint fails here
-    with stop_on_signals(), open_run(config, learner=_warm_start(config)) as (folder, policy, data):
+    with stop_on_signals(), open_run(config, learner=lambda: _warm_start(config)) as (
+            folder, policy, data):
         policy.engine.stop_check = data.rewards.stop_check = check_stop
         loop = Loop(config, folder.path, policy, data)
         loop.start(start)
@@ -108,7 +110,7 @@ def train(recipe: str | Path | Mapping | RunConfig | None = None,
             loop.log.close()
         summary = finish_run(folder.path, config.log, before, after)
         summary["early_stop"] = loop.early_stop or None
-        (folder.path / "summary.json").write_text(json.dumps(summary, indent=1))
+        (folder.path / "summary.json").write_text(jsonio.dumps(summary, indent=1))
         return summary
 
 
@@ -152,6 +154,7 @@ class Loop:
             self.guard.in_a_row = state["bad_steps"]
             self.policy.audit.full_replay = state.get("full_replay", False)
             self.monitors = Monitors(self.config.monitor, state.get("monitor"))
+            self.policy.contract.restore(state.get("contract") or {})
         try:  # the contract's layers first (a push to a layer of another format would fail
             # less clearly), then the engine decodes with the learner's current codes
             contract = self.policy.contract.start(self.policy.sync, self.run_dir)
@@ -181,9 +184,11 @@ class Loop:
             for step in range(self.done, steps):
                 metrics = rl_step(self.policy, self.data, config, step)
                 metrics.update(self.monitors.update(metrics))
+                for line in self.data.watch.take_lines():
+                    self.log.write(line)
                 if metrics.get("audit/failed"):
                     self.log.write(self.policy.audit.alert)
-                if metrics.get("contract/over_budget"):
+                if self.policy.contract.alert:
                     self.log.write(self.policy.contract.alert)
                 if self.monitors.alert:
                     self.log.write(self.monitors.alert)
@@ -193,7 +198,7 @@ class Loop:
                 every = config.train.checkpoint_every
                 if (every and self.done % every == 0) or self.done == steps:
                     self.save(last=self.done == steps)
-                if self.monitors.alert and config.monitor.early_stop:
+                if self.monitors.started and config.monitor.early_stop:
                     self.early_stop = self.monitors.alert
                     if self.saved != checkpoint.step_folder(self.run_dir, self.done):
                         self.save()
@@ -225,6 +230,8 @@ class Loop:
 
     def evaluate(self) -> dict[str, float]:
         metrics = evaluate(self.policy, self.data, self.config)
+        for line in self.data.watch.take_lines():
+            self.log.write(line)
         self.log.log(self.done, metrics, kind="eval")
         return metrics
 
@@ -234,7 +241,8 @@ class Loop:
         full: the run may go on)."""
         train, learner = self.config.train, self.policy.learner
         state = {"time": time.time(), "bad_steps": self.guard.in_a_row,
-                 "full_replay": self.policy.audit.full_replay, "monitor": self.monitors.state()}
+                 "full_replay": self.policy.audit.full_replay, "monitor": self.monitors.state(),
+                 "contract": self.policy.contract.state()}
         optimizer_state = not (last and train.final_checkpoint == "weights")
         with learner.whole_optimizer_state():
             self.saved = checkpoint.save(self.run_dir, self.done, learner.model,

@@ -6,6 +6,7 @@ uninterrupted one does."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import random
 import signal
@@ -229,13 +230,15 @@ def test_rewards_that_hang_raise_exit_or_return_junk_are_counted(tmp_path):
     """With a reward that, by the gold answer, sleeps past its deadline, raises, calls
     os._exit, returns a string or scores: the run finishes and each step's outcome counts
     (and workers replaced: one per hang or exit) are exactly those the answers call for (2
-    samples per prompt; seed 0 reaches every behaviour in 3 steps)."""
+    samples per prompt; seed 0 reaches every behaviour in 3 steps; its 4 held-out sums hold
+    one the reward scores, so the run's first batch is not all failures). Each distinct
+    failure is kept once in reward_errors.txt, and every JSON file the run wrote is JSON."""
     from reliability_rewards import BEHAVIOURS
 
     config = load_config("tiny", _in_process(tmp_path, **{
         "task.reward": "reliability_rewards:misbehaving", "task.reward_timeout_s": 0.5,
         "task.reward_workers": 2, "train.steps": 3, "rollout.group_size": 2,
-        "rollout.batch_size": 8, "train.micro_batch_size": 8, "eval.size": 2}))
+        "rollout.batch_size": 8, "train.micro_batch_size": 8, "eval.size": 4}))
     task = make_task(config.task.name, **config.task.options)
     expected, seen = [], set()
     for step in range(config.train.steps):
@@ -250,3 +253,19 @@ def test_rewards_that_hang_raise_exit_or_return_junk_are_counted(tmp_path):
     train(config)
     rows = [r for r in read_metrics(tmp_path / "tiny" / "metrics.jsonl") if r["kind"] == "train"]
     assert [{k: r[f"reward/{k}"] for k in expected[0]} for r in rows] == expected
+    # every JSON file the run wrote is JSON (null, never NaN, where no reward scored)
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    for path in [tmp_path / "tiny" / "summary.json", tmp_path / "tiny" / "contract.json"]:
+        json.loads(path.read_text(), parse_constant=refuse)
+    for line in (tmp_path / "tiny" / "metrics.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=refuse)
+    # each distinct failure kept once, with where it first happened
+    errors = (tmp_path / "tiny" / "reward_errors.txt").read_text().splitlines()
+    messages = [line.split(": ", 1)[1] for line in errors]
+    assert len(messages) == len(set(messages))
+    assert any(m.startswith("ValueError: a planted reward failure (at ") and
+               "reliability_rewards.py" in m for m in messages)
+    assert any("no answer within 0.5 s" in m for m in messages)
+    assert any("reward worker died (exit code 3)" in m for m in messages)

@@ -185,9 +185,10 @@ def test_zero_learning_rate_keeps_codes_and_exact_parity(tmp_path):
 def test_one_process_per_run_folder(tmp_path):
     """A second run in the folder of a live run fails at once with a message that says what
     to do; once the first run is closed the folder is free again."""
+    from qarl.errors import UserError
     from qarl.train.folder import lock_run_dir
 
     with open_run(load_config("tiny", _overrides(tmp_path))) as (folder, _, _):
-        with pytest.raises(RuntimeError, match="another qarl process is running in .*--run.name"):
+        with pytest.raises(UserError, match="another qarl process is running in .*--run.name"):
             lock_run_dir(folder.path)
     lock_run_dir(folder.path).close()

@@ -192,11 +192,13 @@ def test_a_recipe_without_an_optional_section_resumes(tmp_path):
 
 def test_resume_config_reads_the_run_folder_wherever_it_is(tmp_path):
     """--resume RUN_DIR loads the resolved recipe saved there, placed in RUN_DIR (even when
-    the folder was moved), and refuses overrides that would change the run."""
+    the folder was moved), and refuses overrides that would change the run; a run folder with
+    no checkpoint yet (stopped in its warm start) starts its run from step 1, saying so."""
     original = load_config("tiny", {"run.output_dir": "elsewhere"})
     save_resolved(original, tmp_path / "moved")
-    with pytest.raises(UserError, match="holds no checkpoint yet.*nothing to resume"):
-        resume_config(tmp_path / "moved")
+    fresh = resume_config(tmp_path / "moved")
+    assert (fresh.run.output_dir, fresh.run.name) == (str(tmp_path), "moved")
+    assert fresh.algo == original.algo and fresh.run.resume
     model = torch.nn.Linear(2, 2)
     checkpoint.save(tmp_path / "moved", 1, model, [torch.optim.AdamW(model.parameters())],
                     {"bad_steps": 0}, checkpoint.capture_rng(), to_toml(original), keep=1)

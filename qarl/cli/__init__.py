@@ -12,7 +12,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import re
+import signal
 import sys
+import threading
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 # subcommand -> (module, one-line help). The module owns its arguments and behaviour.
 COMMANDS = {
@@ -64,11 +68,52 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     return overrides, others
 
 
+class Interrupted(Exception):
+    """SIGINT / SIGTERM while a command starts or ends, outside the run's own handling
+    (qarl.train.signals takes over while a run is under way)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _interrupt(signum, frame):
+    raise Interrupted(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one `qarl` command; its exit status: 0, 2 for a user error (one message, no
+    traceback), 128 + the signal's number for SIGINT / SIGTERM at any moment (130 / 143)."""
     import qarl
 
     qarl.ask_huge_pages()  # before any command imports torch (docs/performance.md)
     argv = sys.argv[1:] if argv is None else argv
+    handled = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, _interrupt) for s in STOP_SIGNALS} if handled else {}
+    name = argv[0] if argv else "qarl"
+    try:
+        return _run(argv)
+    except (Interrupted, KeyboardInterrupt) as stop:
+        signum = getattr(stop, "signum", signal.SIGINT)
+        print(f"qarl {name}: stopped by {signal.Signals(signum).name} (a run keeps the steps "
+              "it finished: qarl train --resume RUN_DIR continues it)", file=sys.stderr)
+        return 128 + signum
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def entry() -> None:
+    """The `qarl` console script: `main`, then exit with its status. Once it returned, a
+    stop signal no longer interrupts the interpreter's shutdown (whose status would be the
+    signal's, not the command's)."""
+    code = main()
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    sys.exit(code)
+
+
+def _run(argv: list[str]) -> int:
     parser = build_parser()
     if not argv or argv[0] not in COMMANDS:
         parser.parse_args(argv or ["--help"])

@@ -1,5 +1,5 @@
 """`python -m qarl.cli ...` is `qarl ...`."""
 
-from qarl.cli import main
+from qarl.cli import entry
 
-raise SystemExit(main())
+entry()

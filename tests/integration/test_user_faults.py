@@ -60,8 +60,12 @@ def bad_inputs(tmp_path, tiny_dir):
     junk.write_text('{"prompt": ""}\nnot json\n')
     no_eval = tmp_path / "no_eval.jsonl"  # by the prompts' hashes, all 40 land in train
     no_eval.write_text("".join(f'{{"prompt": "{a}+1", "answer": "{a + 1}"}}\n' for a in range(40)))
-    rewards = tmp_path / "my_rewards.py"
-    rewards.write_text("def exact(prompt, completion, answer=None, **fields):\n    return 1.0\n")
+    rewards = tmp_path / "fault_rewards.py"
+    rewards.write_text("def exact(prompt, completion, answer=None, **fields):\n    return 1.0\n\n"
+                       "def one_arg(prompt):\n    return 1.0\n\nNOT_CALLABLE = 3\n")
+    (tmp_path / "raising_rewards.py").write_text(
+        "import os\n\nraise RuntimeError('planted at import')\n\n"
+        "def fn(prompt, completion, **fields):\n    return 1.0\n")
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     return {"empty": empty, "cut": cut, "gguf": gguf, "junk": junk, "no_eval": no_eval,
@@ -79,9 +83,19 @@ CASES = {  # name -> (extra overrides, what the message must say)
                                    "no usable rows in dataset"),
     "dataset with no eval split": ({"task.name": "", "task.options": "", "task.dataset": "{no_eval}"},
                                    "the eval split of"),
-    "reward module missing": ({"task.reward": "no_such_module_q:fn"}, "is not found"),
-    "reward function missing": ({"task.reward": "my_rewards:missing"},
-                                "defines no 'missing' at its top level"),
+    "reward module missing": ({"task.reward": "no_such_module_q:fn"}, "was not found"),
+    "reward function missing": ({"task.reward": "fault_rewards:missing"},
+                                "'fault_rewards' has no attribute 'missing'; public names there: "
+                                "['NOT_CALLABLE', 'exact', 'one_arg']"),
+    "reward that is not a function": ({"task.reward": "fault_rewards:NOT_CALLABLE"},
+                                      "is a int, not a function"),
+    "reward of the wrong signature": ({"task.reward": "fault_rewards:one_arg"},
+                                      "reward 'fault_rewards:one_arg'(prompt) cannot take a call "
+                                      "(prompt, completion, **fields) with this task's fields "
+                                      "['answer']: too many positional arguments"),
+    "reward module that raises at import": (
+        {"task.reward": "raising_rewards:fn"},
+        "importing reward module 'raising_rewards' raised RuntimeError: planted at import (at "),
     "run folder under a file": ({"run.output_dir": "{file}/runs"}, "a_file is a file"),
     "infinite learning rate": ({"train.lr": "inf"}, "train.lr: is inf"),
 }
@@ -93,7 +107,7 @@ def test_user_errors_are_one_message_before_any_work(case, bad_inputs, tmp_path,
     """Each user error found after parsing the recipe (a model, dataset, reward, option value
     or run folder that cannot work) ends `qarl train` with its file, key or value named, exit
     status 2, no traceback, before the warm start and with no run folder written."""
-    monkeypatch.syspath_prepend(str(tmp_path))  # where my_rewards.py lives
+    monkeypatch.syspath_prepend(str(tmp_path))  # where fault_rewards.py lives
     extra, expected = CASES[case]
     extra = {k: v.format(**bad_inputs) for k, v in extra.items()}
     out, sft = tmp_path / "runs", qarl_home() / "sft"
@@ -102,6 +116,27 @@ def test_user_errors_are_one_message_before_any_work(case, bad_inputs, tmp_path,
     assert expected in err
     assert not out.exists()
     assert (set(sft.iterdir()) if sft.is_dir() else set()) == cached  # no warm start ran
+
+
+def test_a_reward_that_fails_on_every_call_stops_the_run(tmp_path, capsys, monkeypatch):
+    """A reward that raises on every call: the evaluation before step 1 is the run's first
+    batch, all of it fails, so the run stops there (exit status 2) naming the reward, the
+    exception and the line that raised it, with the error kept in reward_errors.txt once;
+    nothing was trained, no checkpoint written."""
+    (tmp_path / "boom_rewards.py").write_text(
+        "def boom(prompt, completion, **fields):\n"
+        "    raise RuntimeError('planted: the reward is broken')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    err = _refused(capsys, "train", "tiny", *_overrides(tmp_path / "runs"),
+                   "--task.reward=boom_rewards:boom")
+    assert ("every one of the 8 reward calls of the quantized evaluation failed (8 errors, 0 "
+            "timeouts)") in err
+    assert "'boom_rewards:boom' gave RuntimeError: planted: the reward is broken (at " in err
+    assert "boom_rewards.py:2 in boom)" in err
+    run = tmp_path / "runs" / "tiny"
+    lines = (run / "reward_errors.txt").read_text().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("the quantized evaluation: RuntimeError")
+    assert not list(run.glob("step_*"))
 
 
 def test_read_only_run_folder_is_refused(tmp_path, capsys, monkeypatch):
@@ -181,13 +216,17 @@ def test_a_weights_only_final_checkpoint_ends_the_run_and_loses_nothing(tmp_path
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 
-def test_resume_of_a_folder_without_checkpoints_is_an_error(tmp_path, capsys):
-    """`--resume` on a run folder that never saved a checkpoint refuses (exit 2): it does
-    not start a run over."""
+def test_resume_of_a_folder_without_checkpoints_starts_its_run(tmp_path, capsys):
+    """`--resume` on a run folder that never saved a checkpoint (a run stopped in its warm
+    start) starts that run with its saved recipe, saying so."""
     from qarl.config import load_config, save_resolved
 
-    save_resolved(load_config("tiny", {"run.output_dir": str(tmp_path)}), tmp_path / "tiny")
-    assert "nothing to resume" in _refused(capsys, "train", "--resume", str(tmp_path / "tiny"))
+    save_resolved(load_config("tiny", {"run.output_dir": str(tmp_path), **{
+        k: v for k, v in SMALL.items()}}), tmp_path / "tiny")
+    assert main(["train", "--resume", str(tmp_path / "tiny")]) == 0
+    err = capsys.readouterr().err
+    assert "no checkpoint yet" in err and "the run starts from step 1" in err
+    assert (tmp_path / "tiny" / "step_000002").is_dir()
 
 
 def test_a_planted_infinite_learning_rate_skips_the_step(tmp_path, monkeypatch):
@@ -237,11 +276,14 @@ def test_two_first_runs_on_an_empty_qarl_home_both_finish(tmp_path):
 
 def test_sigterm_in_the_warm_start_stops_within_seconds(tmp_path, tiny_dir):
     """SIGTERM during a long warm-start SFT ends the run within 5 s, exit status 143, with a
-    message saying nothing was saved; no run folder, no SFT cache entry is left."""
+    message saying nothing was saved and how to start again; no SFT cache entry is left, and
+    the run folder holds the recipe only, so `--resume` starts the run."""
     home = tmp_path / "home"
     (home / "models").mkdir(parents=True)
     shutil.copytree(tiny_dir, home / "models" / "tiny")
     (home / "models" / "tiny" / "qarl_zoo.json").write_text('{"name": "tiny", "family": "qwen3"}\n')
+    if (qarl_home() / "kernels").is_dir():  # compiled already: the signal meets the SFT loop
+        shutil.copytree(qarl_home() / "kernels", home / "kernels")
     run = _qarl("train", "tiny", *_overrides(tmp_path / "runs"), "--sft.steps=100000",
                 env={"QARL_HOME": str(home)})
     deadline = time.monotonic() + 120
@@ -256,5 +298,27 @@ def test_sigterm_in_the_warm_start_stops_within_seconds(tmp_path, tiny_dir):
     assert run.returncode == 143, err
     assert time.monotonic() - start < 5
     assert "stopped before the first RL step" in err and "Traceback" not in err
+    assert f"qarl train --resume {tmp_path / 'runs' / 'tiny'}" in err
     assert [p.name for p in (home / "sft").iterdir() if not p.name.startswith(".")] == []
-    assert not (tmp_path / "runs").exists()
+    assert sorted(p.name for p in (tmp_path / "runs" / "tiny").iterdir()
+                  if not p.name.startswith(".")) == ["config.toml"]
+
+
+@pytest.mark.parametrize("moment", ["while starting", "after the start-up lines"])
+def test_sigint_to_the_process_group_at_any_moment_is_a_clean_stop(tmp_path, moment):
+    """Ctrl-C (SIGINT to the whole process group, reward workers included) while the command
+    still imports and loads, or right after the run's start-up lines (the contract and the
+    gradient pass printed, no step begun): exit status 130, one message, no traceback."""
+    run = _qarl("train", "tiny", *_overrides(tmp_path / "runs"), env={},
+                start_new_session=True)
+    if moment == "while starting":
+        time.sleep(0.5)
+    else:
+        for line in run.stderr:
+            if line.startswith("learner on"):
+                break
+    os.killpg(run.pid, signal.SIGINT)
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert "SIGINT" in err.strip().splitlines()[-1]

@@ -42,6 +42,10 @@ def recipe_path(recipe: str | Path | None) -> Path:
     name = path.name[:-5] if path.name.endswith(".toml") else path.name
     if path.parent == Path(".") and name in packaged_recipes():
         return RECIPES_DIR / f"{name}.toml"
+    if path.is_dir():
+        raise ConfigError([Problem("", f"{str(recipe)!r} is a folder, not a recipe file; give "
+                                       "a TOML file (a run folder's recipe is its config.toml) "
+                                       f"or a packaged recipe: {', '.join(packaged_recipes())}")])
     raise ConfigError([Problem("", f"recipe file {str(recipe)!r} not found; give a path to a "
                                    f"TOML file or a packaged recipe: "
                                    f"{', '.join(packaged_recipes())}")])

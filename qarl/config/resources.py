@@ -19,8 +19,7 @@ from typing import Any
 
 from qarl.config.errors import Problem
 from qarl.config.lora_checks import lora_resources
-from qarl.model import ZOO
-from qarl.model.check import model_problems
+from qarl.model.check import source_problems
 from qarl.quant import SCHEMES, make_scheme, scheme_options
 from qarl.tasks import TASKS, make_task, task_options
 from qarl.tasks.rewards import check_signature, load_reward
@@ -48,12 +47,9 @@ def finite_numbers(sections: Mapping[str, Any]) -> list[Problem]:
 
 def model_loads(model) -> list[Problem]:
     """A model path holds a loadable model: config.json of a supported family, tokenizer
-    files, whole safetensors weights (headers checked, no data read); or a readable .gguf."""
-    if model.name in ZOO and not Path(model.name).exists():
-        return []  # qarl prepares its zoo models itself
-    if not Path(model.name).exists():
-        return []  # model_exists says so
-    return [Problem("model.name", text) for text in model_problems(Path(model.name))]
+    files, whole safetensors weights (headers checked, no data read); or a readable .gguf.
+    A zoo model already prepared is checked the same way."""
+    return [Problem("model.name", text) for text in source_problems(model.name)]
 
 
 def scheme_options_valid(quant) -> list[Problem]:
@@ -119,8 +115,36 @@ def reward_loads(task) -> list[Problem]:
     return []
 
 
+def sft_has_completions(task, sft) -> list[Problem]:
+    """With sft.steps > 0, every training row of a task.dataset has a `completion` (non-empty
+    text): the warm start trains on it as the response the reward scores 1.0, which the
+    `answer` alone is not (the reward may want the answer in a form, after working)."""
+    if not sft.steps or task.dataset is None:
+        return []
+    rows = _train_examples(task, None)
+    if rows is None:
+        return []  # the dataset does not build: task_loads / one_task_source say why
+    lacking = sorted(ex.row or 0 for ex in rows
+                     if not (isinstance(c := ex.fields.get("completion"), str) and c.strip()))
+    if not lacking:
+        return []
+    shown = ", ".join(map(str, lacking[:5])) + (", ..." if len(lacking) > 5 else "")
+    return [Problem("task.dataset", f"{len(lacking)} of the {len(rows)} training rows of "
+                                    f"{task.dataset} have no 'completion' text (rows {shown}), "
+                                    f"which the warm start (sft.steps = {sft.steps}) trains on; "
+                                    "add a 'completion' column (a whole response the reward "
+                                    "scores 1.0), or set sft.steps = 0")]
+
+
 def _first_example(task) -> Any:
     """The task's first training example, or None where the task does not build."""
+    examples = _train_examples(task, 1)
+    return examples[0] if examples else None
+
+
+def _train_examples(task, n: int | None) -> list | None:
+    """`n` training examples of the task (None: every row of its train split, each once),
+    or None where the task does not build."""
     named = "dataset" if task.dataset is not None else task.name
     if named not in TASKS or set(task.options) - set(task_options(named)):
         return None
@@ -129,10 +153,11 @@ def _first_example(task) -> Any:
     try:
         built = (make_task("dataset", path=task.dataset, **task.options)
                  if task.dataset is not None else make_task(task.name, **task.options))
-        examples = built.examples("train", 1, 0)
+        if n is None:
+            n = built.split_size("train")
+        return built.examples("train", n, 0)
     except (ValueError, TypeError, OSError):
         return None
-    return examples[0] if examples else None
 
 
 def run_folder_writable(run) -> list[Problem]:
@@ -140,17 +165,29 @@ def run_folder_writable(run) -> list[Problem]:
     file in its way, on a disk that takes writes."""
     if run.name is None:
         return []
-    folder = Path(run.output_dir) / run.name
+    return _folder_problems(Path(run.output_dir) / run.name, "run.output_dir", "the run folder")
+
+
+def eval_cache_writable(eval) -> list[Problem]:
+    """eval.cache_dir, when set, is a folder qarl can create or write, as the run folder is
+    (it is written after the first evaluation, when the run has begun)."""
+    if not eval.cache_dir:
+        return []
+    return _folder_problems(Path(eval.cache_dir), "eval.cache_dir", "the evaluation cache")
+
+
+def _folder_problems(folder: Path, key: str, what: str) -> list[Problem]:
+    """`folder` can be made (no file where it or a parent goes) and written."""
     for path in (folder, *folder.parents):
         if path.exists():
             break
     if not path.is_dir():
-        return [Problem("run.output_dir", f"{path} is a file, so the run folder {folder} cannot "
-                                          "be created there; choose another run.output_dir")]
+        return [Problem(key, f"{path} is a file, so {what} {folder} cannot be created there; "
+                             f"choose another {key}")]
     if not os.access(path, os.W_OK | os.X_OK):
-        return [Problem("run.output_dir", f"{path} cannot be written (a read-only disk, or "
-                                          f"no permission), so the run folder {folder} cannot be "
-                                          "made or updated; choose another run.output_dir")]
+        return [Problem(key, f"{path} cannot be written (a read-only disk, or no permission), "
+                             f"so {what} {folder} cannot be made or updated; choose another "
+                             f"{key}")]
     return []
 
 
@@ -158,9 +195,11 @@ def run_folder_writable(run) -> list[Problem]:
 RESOURCE_CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
     (("*",), finite_numbers),
     (("run",), run_folder_writable),
+    (("eval",), eval_cache_writable),
     (("model",), model_loads),
     (("quant",), scheme_options_valid),
     (("task", "eval"), task_loads),
     (("task",), reward_loads),
+    (("task", "sft"), sft_has_completions),
     (("model", "lora"), lora_resources),
 ]

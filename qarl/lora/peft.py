@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from qarl.errors import UserError
+from qarl.model.loading import check_safetensors
 from qarl.model.names import name_in_memory, name_on_disk
 from qarl.quant import QuantLinear
 from qarl.lora.layers import adapter_state, load_adapters, lora_layers
@@ -89,6 +90,10 @@ def read_config(folder: str | Path) -> dict:
         config = json.loads((folder / CONFIG_FILE).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"{folder / CONFIG_FILE} is not JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{folder / CONFIG_FILE} holds a JSON {type(config).__name__}, not the "
+                        "object of a PEFT adapter config; write the folder again with `qarl "
+                        "export --format peft` or peft's save_pretrained")
     if config.get("peft_type") != "LORA":
         raise UserError(f"{folder} holds a {config.get('peft_type')!r} adapter; lora.init_from "
                         "takes LoRA adapters only")
@@ -100,6 +105,13 @@ def read_config(folder: str | Path) -> dict:
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise UserError(f"{folder}: per-layer ranks or alphas (rank_pattern / alpha_pattern) are "
                         "not implemented; use an adapter with one r and lora_alpha")
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not (isinstance(rank, int) and not isinstance(rank, bool) and rank > 0) or not (
+            alpha is None or isinstance(alpha, int | float) and not isinstance(alpha, bool)):
+        raise UserError(f"{folder / CONFIG_FILE}: r = {rank!r}, lora_alpha = {alpha!r}; a LoRA "
+                        "adapter has a whole r of at least 1 and a numeric lora_alpha: correct "
+                        "them to the values it was trained with")
+    check_safetensors(folder / WEIGHTS_FILE)  # the header, not the tensors: a cut copy is named
     return config
 
 
@@ -122,6 +134,7 @@ def config_problems(folder: str | Path, rank: int, alpha: float) -> list[str]:
 def adapter_shapes(folder: str | Path, family: str) -> dict[str, tuple[int, ...]]:
     """{`<module in memory>.lora_A` / `.lora_B`: shape} from the file's header (no data read)."""
     shapes = {}
+    check_safetensors(Path(folder) / WEIGHTS_FILE)
     with safe_open(str(Path(folder) / WEIGHTS_FILE), framework="pt") as handle:
         for key in handle.keys():
             shapes[_memory_name(key, family, folder)] = tuple(handle.get_slice(key).get_shape())

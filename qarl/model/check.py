@@ -2,7 +2,8 @@
 before any work): the folder's config.json, its tokenizer files and the headers of its weight
 files (no tensor data is read), or a `.gguf` file's header.
 
-`model_problems(path)` lists every problem of one path, each naming the file and the fix;
+`model_problems(path)` lists every problem of one path, each naming the file and the fix
+(`source_problems` also of a zoo model's prepared copy; `check_model` raises them);
 the weight-file check is `loading.check_safetensors`, which loading runs too (so a file cut
 short is named, not reported as the safetensors library's error).
 """
@@ -85,3 +86,31 @@ def model_problems(path: Path) -> list[str]:
         problems.append(f"{path} has no tokenizer.json or tokenizer_config.json; save the "
                         "tokenizer into the folder too (tokenizer.save_pretrained)")
     return problems + _weights_problems(path)
+
+
+def source_problems(name_or_path: str | Path) -> list[str]:
+    """`model_problems` of a model path, or of a zoo model's prepared copy (with how to prepare
+    it again); [] for a zoo name not prepared yet (qarl prepares it on first use) and for a
+    path that does not exist (`check_model` and the recipe's model check name that)."""
+    from qarl.model.zoo import ZOO, is_prepared, model_folder
+
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return model_problems(path)
+    name = str(name_or_path)
+    if name not in ZOO or not is_prepared(name):
+        return []
+    return [f"{text}; the zoo's copy of {name!r} is damaged: prepare it again with qarl models "
+            f"--prepare {name} --force" for text in model_problems(model_folder(name))]
+
+
+def check_model(name_or_path: str | Path) -> None:
+    """Raise one UserError naming every reason a zoo name, model folder or `.gguf` file cannot
+    be loaded (`source_problems`; a zoo name not prepared yet passes)."""
+    from qarl.model.zoo import ZOO, unknown_model
+
+    if not Path(name_or_path).expanduser().exists() and str(name_or_path) not in ZOO:
+        raise unknown_model(name_or_path)
+    problems = source_problems(name_or_path)
+    if problems:
+        raise UserError("; ".join(problems))

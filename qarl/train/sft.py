@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 
 from qarl.config import RunConfig
+from qarl.errors import UserError
 from qarl.model import DTYPES, CausalLM, load_model, load_tokenizer, save_model
+from qarl.model.loading import check_safetensors
 from qarl.paths import cache_lock, qarl_home
 from qarl.rollout.engine import left_pad
 from qarl.train.learner.logprobs import response_logprobs
@@ -110,4 +112,9 @@ def warm_start(config: RunConfig, log=print) -> CausalLM | None:
                     os.replace(tmp, folder)
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        check_safetensors(folder / "model.safetensors")
+    except UserError as err:
+        raise UserError(f"the cached warm start {folder} is damaged ({err}); delete that folder "
+                        "and run again: the warm start is trained anew") from None
     return load_model(folder, dtype=dtype)

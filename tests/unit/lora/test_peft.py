@@ -104,12 +104,27 @@ def test_folders_qarl_cannot_run_are_refused_by_name(tmp_path, change, match):
 
 
 def test_missing_or_broken_files_are_named(tmp_path):
+    """A folder without the config, a config that is not JSON or not an object, an r that is
+    not a whole number, an adapter file cut short: each a UserError naming the file."""
     with pytest.raises(UserError, match="has no adapter_config.json"):
         read_config(tmp_path)
     (tmp_path / "adapter_config.json").write_text("{not json")
     (tmp_path / "adapter_model.safetensors").write_bytes(b"")
     with pytest.raises(UserError, match="is not JSON"):
         read_config(tmp_path)
+    (tmp_path / "adapter_config.json").write_text("[]")
+    with pytest.raises(UserError, match="adapter_config.json holds a JSON list, not the object"):
+        read_config(tmp_path)
+    out = write_peft(_trained(_model()), tmp_path / "adapter", "base", "qwen3")
+    config = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**config, "r": "four"}))
+    with pytest.raises(UserError, match="r = 'four', lora_alpha = 8.0; a LoRA adapter has a whole r"):
+        read_config(out)
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    weights = out / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8])
+    with pytest.raises(UserError, match="adapter_model.safetensors is cut short"):
+        read_config(out)
 
 
 def test_a_full_weight_model_has_nothing_to_write(tmp_path):

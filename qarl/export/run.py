@@ -43,12 +43,14 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 from qarl.errors import UserError
 from qarl.export.compressed_tensors import WEIGHTS_FILE, ct_state, quantization_config
 from qarl.lora.peft import write_peft
-from qarl.model import DTYPES, CausalLM, load_model, load_tokenizer, save_model
+from qarl.model import DTYPES, CausalLM, load_model, load_skeleton, load_tokenizer, save_model
+from qarl.model.check import check_model
 from qarl.model.names import state_on_disk
 from qarl.model.zoo import resolve
 from qarl.quant import SCHEMES, QWeight, export_state, quantize_model
 from qarl.quant.apply import FUSED_GROUPS
 from qarl.lora.layers import attach_lora, default_alpha, load_adapters, remove_adapters
+from qarl.train.checkpoint import weights_problem
 
 FORMATS = ("hf", "compressed-tensors", "peft")
 CONFIG_FILE = "config.toml"  # the resolved config a checkpoint was trained with
@@ -93,39 +95,66 @@ def find_checkpoint(src: str | Path) -> Path:
 
 
 def read_run(src: str | Path) -> RunPolicy:
-    """The checkpoint of `src` and the model / quant keys of the config it was trained with."""
+    """The checkpoint of `src` and the model / quant keys of the config it was trained with;
+    a config.toml that does not parse or lacks them is a UserError naming the file."""
     checkpoint = find_checkpoint(src)
-    config = tomllib.loads((checkpoint / CONFIG_FILE).read_text())
-    model, quant = config.get("model", {}), config.get("quant", {})
+    path = checkpoint / CONFIG_FILE
+    try:
+        config = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{path} does not parse ({err}): the checkpoint's recipe is damaged; "
+                        f"copy the run folder's config.toml (the recipe the run started with) "
+                        f"over it, or export another step_NNNNNN folder of the run") from None
+    model, quant, lora = config.get("model"), config.get("quant", {}), config.get("lora", {})
+    if not (isinstance(model, dict) and isinstance(model.get("name"), str)
+            and model.get("master_dtype", "float32") in DTYPES
+            and isinstance(quant, dict) and isinstance(quant.get("options", {}), dict)
+            and isinstance(lora, dict)):
+        raise UserError(f"{path} is not the recipe of a qarl checkpoint: it needs [model] name "
+                        f"and master_dtype (one of {sorted(DTYPES)}), and [quant] and [lora] "
+                        "tables; copy the run folder's config.toml over it, or export another "
+                        "step_NNNNNN folder of the run")
+    try:
+        check_model(model["name"])
+    except UserError as err:
+        raise UserError(f"{path} trains model.name {model['name']!r}, which cannot be loaded "
+                        f"here: {err}") from None
     return RunPolicy(checkpoint, model["name"], model.get("master_dtype", "float32"),
                      quant.get("scheme", "w8a8-int8"), quant.get("options", {}),
-                     quant.get("include"), quant.get("exclude"), config.get("lora", {}))
+                     quant.get("include"), quant.get("exclude"), lora)
 
 
 def load_master(policy: RunPolicy, base: CausalLM | None = None) -> CausalLM:
     """The base model's architecture holding the checkpoint's master weights, every name
     accounted for (a tied lm_head is stored once, as the embedding). A LoRA run's: `base`
     (default: the recipe's model) with its adapters attached and loaded (full-precision
-    layers: `qarl.lora.layers.LoraLinear`)."""
-    model = base if base is not None else load_model(policy.model_name,
-                                                     dtype=DTYPES[policy.master_dtype])
+    layers: `qarl.lora.layers.LoraLinear`). Weights that are not whole or do not fit are a
+    UserError, found from the file's header before the model loads."""
+    dtype = DTYPES[policy.master_dtype]
+    skeleton = _with_adapters(base if base is not None else load_skeleton(policy.model_name),
+                              policy)
+    why = weights_problem(policy.checkpoint, skeleton)
+    if why is not None:
+        raise UserError(f"{why}, though {policy.checkpoint / CONFIG_FILE} names model "
+                        f"{policy.model_name!r} with lora.rank = {policy.lora_rank}: the "
+                        "folder holds another run's weights, or is damaged; export another "
+                        "step_NNNNNN folder of the run")
+    model = skeleton if base is not None else _with_adapters(
+        load_model(policy.model_name, dtype=dtype), policy)
     weights = load_file(policy.checkpoint / WEIGHTS_FILE)
+    if policy.lora_rank:
+        load_adapters(model, weights)
+    else:
+        model.load_state_dict(weights, strict=False)
+    return model
+
+
+def _with_adapters(model: CausalLM, policy: RunPolicy) -> CausalLM:
+    """`model` with the run's LoRA adapters attached (zeros), where it has [lora]."""
     if policy.lora_rank:  # the resolved config holds every [lora] key but a default alpha
         lora, rank = policy.lora, policy.lora_rank
         attach_lora(model, rank, float(lora.get("alpha", default_alpha(rank))), 0.0,
                     lora["include"], lora["exclude"], "zeros")
-        try:
-            load_adapters(model, weights)
-        except ValueError as err:
-            raise UserError(f"{policy.checkpoint / WEIGHTS_FILE}: {err}") from None
-        return model
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-    if set(missing) - tied or unexpected:
-        raise UserError(
-            f"{policy.checkpoint / WEIGHTS_FILE} does not fit {policy.model_name!r}: missing "
-            f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}"
-        )
     return model
 
 
@@ -138,9 +167,14 @@ def export_run(src: str | Path, out: str | Path, format: str, scheme: str | None
     alone is written; `base` is its base model (default: the recipe's model)."""
     if format not in FORMATS:
         raise UserError(f"unknown export format {format!r}; valid: {list(FORMATS)}")
-    if scheme is not None and format == "hf":
-        raise UserError("--scheme applies to --format compressed-tensors; the hf format "
-                         "writes the full-precision master weights, drop --scheme")
+    if scheme is not None and format != "compressed-tensors":
+        raise UserError(f"--scheme applies to --format compressed-tensors; the {format} format "
+                        "writes " + ("the full-precision master weights" if format == "hf" else
+                                     "the adapters, in full precision") + ", drop --scheme")
+    if not merge and format != "hf":
+        raise UserError(f"--base-only applies to --format hf; the {format} format writes "
+                        + ("a LoRA run's base already" if format == "compressed-tensors" else
+                           "the adapters alone") + ", drop --base-only")
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} is a file; export into a new (or empty) folder")
@@ -153,6 +187,10 @@ def export_run(src: str | Path, out: str | Path, format: str, scheme: str | None
     if format == "peft" and not policy.lora_rank:
         raise UserError(f"{policy.checkpoint} is a full fine-tuning run (lora.rank = 0): it has "
                         "no adapter to write; use --format hf or compressed-tensors")
+    if not merge and not policy.lora_rank:
+        raise UserError(f"{policy.checkpoint} is a full fine-tuning run (lora.rank = 0): all "
+                        "its weights are trained, there is no base apart from adapters to "
+                        "write; drop --base-only")
     model = load_master(policy, base)
     if format == "peft":
         return write_peft(model, out, policy.model_name, model.config.family,

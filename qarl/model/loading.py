@@ -119,6 +119,12 @@ def read_safetensors(folder: Path) -> dict[str, Tensor]:
 def check_safetensors(file: Path) -> None:
     """Raise UserError unless `file` is a whole safetensors file: an 8-byte header length, a
     JSON header, and as many bytes after it as its tensors' offsets say (no data is read)."""
+    safetensors_shapes(file)
+
+
+def safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} from the header of `file`, a whole safetensors file (UserError
+    otherwise, as `check_safetensors`); no tensor data is read."""
     if not file.is_file():
         raise UserError(f"{file} does not exist; a model folder lists only files it holds")
     size = file.stat().st_size
@@ -134,12 +140,17 @@ def check_safetensors(file: Path) -> None:
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise UserError(f"{file} has a corrupt safetensors header ({err}); rewrite the "
                             "file") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{file} has a corrupt safetensors header (a JSON "
+                        f"{type(header).__name__}, not an object); rewrite the file")
     ends = [t["data_offsets"][1] for k, t in header.items()
             if k != "__metadata__" and isinstance(t, dict) and "data_offsets" in t]
     need = 8 + n + max(ends, default=0)
     if size < need:
         raise UserError(f"{file} is cut short: {size} bytes where its header describes {need} "
                         "(an interrupted copy or download?); copy or convert it again")
+    return {k: tuple(t.get("shape", ())) for k, t in header.items()
+            if k != "__metadata__" and isinstance(t, dict)}
 
 
 def check_weight_names(config: ModelConfig, state: dict[str, Tensor], source: Path) -> dict[str, Tensor]:

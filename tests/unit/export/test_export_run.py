@@ -84,12 +84,19 @@ def test_scheme_override_and_the_cli(run_dir, tmp_path, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--scheme", "none"], "full precision.*use --format hf"),
     (["--scheme", "w9"], "unknown scheme 'w9'; valid: "),
+    (["--format", "peft", "--scheme", "w4a16-int4"], "--scheme applies to --format "
+                                                     "compressed-tensors.*drop --scheme"),
+    (["--base-only"], "--base-only applies to --format hf.*drop --base-only"),
+    (["--format", "hf", "--base-only"], "full fine-tuning run.*no base apart from adapters to "
+                                        "write; drop --base-only"),
 ])
 def test_refusals_say_why_and_what_to_do(run_dir, tmp_path, capsys, args, message):
-    """Schemes compressed-tensors cannot hold exit 2 with the reason and the alternative,
-    before any file is written."""
+    """Schemes compressed-tensors cannot hold, and options the format or run has no use for
+    (--scheme beside peft, --base-only beside another format or of a full fine-tuning run),
+    exit 2 with the reason and the alternative, before any file is written."""
     out = tmp_path / "refused"
-    assert main(["export", str(run_dir), str(out), "--format", "compressed-tensors", *args]) == 2
+    args = args if "--format" in args else ["--format", "compressed-tensors", *args]
+    assert main(["export", str(run_dir), str(out), *args]) == 2
     assert re.search(message, capsys.readouterr().err)
     assert not out.exists()
 

@@ -113,11 +113,13 @@ def entry() -> None:
     sys.exit(code)
 
 
-def _run(argv: list[str]) -> int:
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, object]:
+    """(the arguments, the command's module); argparse's SystemExit on --help or an argument
+    it refuses (a bad choice, a count below 1: qarl.cli.args), which prints the usage."""
     parser = build_parser()
     if not argv or argv[0] not in COMMANDS:
         parser.parse_args(argv or ["--help"])
-        return 2
+        parser.exit(2)
     name = argv[0]
     module = importlib.import_module(COMMANDS[name][0])
     p = argparse.ArgumentParser(prog=f"qarl {name}", description=COMMANDS[name][1])
@@ -132,6 +134,15 @@ def _run(argv: list[str]) -> int:
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     args.overrides = overrides
+    return args, module
+
+
+def _run(argv: list[str]) -> int:
+    try:
+        args, module = _parse(argv)
+    except SystemExit as done:  # --help (0), or an argument error argparse printed (2)
+        return done.code if isinstance(done.code, int) else 2
+    name = argv[0]
     from qarl.errors import UserError
 
     try:

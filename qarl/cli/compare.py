@@ -6,25 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from qarl.cli.args import int_list, name_list, positive_int
+
 ACCEPTS_OVERRIDES = True  # --section.key=value, applied to every arm after its own overrides
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(item) for item in text.split(",") if item.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, "
-                                         "e.g. 0,1,2") from None
-
-
-def _name_list(text: str) -> list[str]:
-    return [item.strip() for item in text.split(",") if item.strip()]
-
-
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
-    return int(text)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,12 +18,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "'tiny' is the quick version). --section.key=value overrides apply to every arm, "
         "after the arm's own overrides (docs/config.md, [compare])",
     )
-    parser.add_argument("--seeds", type=_int_list, default=None,
+    parser.add_argument("--seeds", type=int_list, default=None,
                         help="seeds to run, e.g. 0,1,2 (default: compare.seeds of the recipe)")
-    parser.add_argument("--arms", type=_name_list, default=None,
+    parser.add_argument("--arms", type=name_list, default=None,
                         help="arms to run, in this order, e.g. fp-grpo,qarl-tbpo (default: "
                         "every arm not listed in compare.optional)")
-    parser.add_argument("--jobs", type=_positive, default=1,
+    parser.add_argument("--jobs", type=positive_int, default=1,
                         help="runs at once; the CPU cores are split among them (default: 1)")
 
 

@@ -18,6 +18,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.force and not args.prepare:
+        from qarl.errors import UserError
+
+        raise UserError("--force prepares again what --prepare names; add --prepare NAME (or "
+                        "all), or drop --force")
     if args.prepare:
         for name in sorted(ZOO) if args.prepare == "all" else [args.prepare]:
             print(f"preparing {name} ...", flush=True)

@@ -10,13 +10,10 @@ import argparse
 import sys
 
 from qarl import jsonio
+from qarl.cli.args import name_list, nonnegative_int, positive_float, positive_int
 from qarl.rollout import ENGINES
 
 ACCEPTS_OVERRIDES = True  # --section.key=value on the recipe, checked by qarl.config
-
-
-def _names(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,24 +25,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", default=None,
                         help="zoo name or model folder (default: the recipe's model.name, else tiny)")
-    parser.add_argument("--schemes", type=_names, default=None,
+    parser.add_argument("--schemes", type=name_list, default=None,
                         help="comma-separated schemes (default: the recipe's quant.scheme, else "
                         "all of qarl.quant.SCHEMES)")
     served = "; ".join(f"{name}: {','.join(kind.aligns)}" for name, kind in ENGINES.items())
-    parser.add_argument("--aligns", type=_names, default=None,
+    parser.add_argument("--aligns", type=name_list, default=None,
                         help=f"comma-separated alignment modes (default: those the engine "
                         f"serves, {served})")
     parser.add_argument("--engine", choices=list(ENGINES), default="local",
                         help="what samples the batch: qarl's local engine or vLLM (needs the "
                         "vllm package; see qarl/rollout/README.md) (default: local)")
-    parser.add_argument("--prompts", type=int, default=16, help="number of prompts (default: 16)")
-    parser.add_argument("--max-new-tokens", type=int, default=24,
+    parser.add_argument("--prompts", type=positive_int, default=16, help="number of prompts (default: 16)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=24,
                         help="response length limit (default: 24)")
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    parser.add_argument("--temperature", type=positive_float, default=1.0,
+                        help="sampling temperature, above 0 (default: 1.0)")
     parser.add_argument("--seed", type=int, default=0, help="prompt and sampling seed")
     parser.add_argument("--no-full-sequence", action="store_true",
                         help="skip the full-sequence (teacher-forced forward) rows")
-    parser.add_argument("--lora-rank", type=int, default=None,
+    parser.add_argument("--lora-rank", type=nonnegative_int, default=None,
                         help="rows with LoRA adapters of this rank on both sides (planted, "
                         "nonzero; default: the recipe's lora.rank, else none)")
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead")
@@ -54,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from qarl.cli.parity_matrix import arm_row, check_names, format_table, progress_line, run_arms
     from qarl.config import LoraSection, load_config
-    from qarl.errors import UserError
+    from qarl.model.check import check_model
 
     quant, model, lora = None, args.model or "tiny", None
     if args.recipe is not None or args.overrides:
@@ -62,8 +60,6 @@ def run(args: argparse.Namespace) -> int:
         quant, model = config.quant, args.model or config.model.name
         lora = config.lora if config.lora.rank else None
     if args.lora_rank is not None:
-        if args.lora_rank < 0:
-            raise UserError(f"--lora-rank must be >= 0, got {args.lora_rank}")
         lora = LoraSection(rank=args.lora_rank) if args.lora_rank else None
     kind = ENGINES[args.engine]
     schemes = args.schemes
@@ -71,8 +67,7 @@ def run(args: argparse.Namespace) -> int:
         schemes = [quant.scheme] if quant is not None else list(kind.schemes())
     aligns = args.aligns or list(kind.aligns)
     check_names(schemes, aligns, quant.options if quant is not None else None, args.engine)
-    if args.prompts < 1:
-        raise UserError(f"--prompts must be >= 1, got {args.prompts}")
+    check_model(model)  # a name or folder that cannot load is refused before any model loads
     arms = run_arms(model, schemes, aligns, args.prompts, args.max_new_tokens,
                     args.temperature, args.seed, not args.no_full_sequence, quant, args.engine,
                     lora)

@@ -4,7 +4,6 @@ compare.json, PNG plots), re-read from its runs' metrics files."""
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,11 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from qarl.report.compare_files import write_report
 
-    try:
-        paths = write_report(args.folder)
-    except FileNotFoundError as err:
-        print(err, file=sys.stderr)
-        return 1
+    paths = write_report(args.folder)  # UserError: exit 2
     print(paths[0].read_text())
     print("report: " + ", ".join(str(path) for path in paths))
     return 0

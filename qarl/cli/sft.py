@@ -15,13 +15,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from qarl.config import load_config
+    from qarl.errors import UserError
     from qarl.native.memory import tune_allocator
     from qarl.train.sft import sft_folder, warm_start
 
-    config = load_config(args.recipe, args.overrides)
+    config = load_config(args.recipe, args.overrides)  # a ConfigError: exit 2
     if config.sft.steps == 0:
-        print(f"recipe {args.recipe!r} has sft.steps = 0: nothing to do (set --sft.steps=N)")
-        return 1
+        raise UserError(f"recipe {args.recipe!r} has sft.steps = 0: there is no warm start to "
+                        "run; set --sft.steps=N")
     tune_allocator()  # as qarl train does
     warm_start(config)
     print(sft_folder(config))

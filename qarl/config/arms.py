@@ -19,6 +19,7 @@ from typing import Any
 from qarl.config.errors import ConfigError, Problem, suggest
 from qarl.config.load import load_config, parse_overrides, recipe_path
 from qarl.config.schema import RunConfig
+from qarl.config.toml_out import RESOLVED_NAME
 
 
 @dataclass(frozen=True)
@@ -56,11 +57,20 @@ def load_arms(recipe: str | Path | None, overrides: Sequence[str] | Mapping[str,
     problems = [Problem("--arms", f"{arm!r} is not an arm of the recipe; "
                                   f"{suggest(arm, compare.arms)}")
                 for arm in arms or () if arm not in compare.arms]
+    if arms is not None and not arms:
+        problems.append(Problem("--arms", f"names no arm; name one or more of "
+                                          f"{', '.join(compare.arms)}, or leave --arms out"))
     if arms and len(set(arms)) < len(arms):
         problems.append(Problem("--arms", f"{','.join(arms)} names an arm twice; name each once"))
     if "run.seed" in overrides:
         problems.append(Problem("run.seed", "is set by compare for each run from "
                                             "compare.seeds; give the seeds with --seeds"))
+    folder = Path(base.run.output_dir) / str(base.run.name)
+    if (folder / RESOLVED_NAME).is_file():
+        problems.append(Problem("run.name", f"{folder} is the run folder of a `qarl train` run "
+                                            f"(it holds {RESOLVED_NAME}), not a comparison "
+                                            "folder; give the comparison its own --run.name "
+                                            "or --run.output_dir"))
     configs: dict[str, RunConfig] = {}
     for arm in compare.arms:
         try:
@@ -76,5 +86,5 @@ def load_arms(recipe: str | Path | None, overrides: Sequence[str] | Mapping[str,
         arm_overrides={arm: compare.overrides_of(arm) for arm in chosen},
         configs={arm: configs[arm] for arm in chosen},
         seeds=list(compare.seeds),
-        folder=Path(base.run.output_dir) / str(base.run.name),
+        folder=folder,
     )

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from qarl import jsonio
+from qarl.errors import UserError
 from qarl.report.compare import DEPLOYED, FIGURES, PHASES, Stat, summarize
 from qarl.report.compare_plots import plot_comparison
 from qarl.report.metrics_file import read_metrics
@@ -48,7 +49,12 @@ def compare_section(runs: dict[str, dict[int, Path]]) -> dict[str, Any]:
         for run in seeds.values():
             path = run / "config.toml"
             if path.exists():
-                section = tomllib.loads(path.read_text(encoding="utf-8")).get("compare")
+                try:
+                    section = tomllib.loads(path.read_text(encoding="utf-8")).get("compare")
+                except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+                    raise UserError(f"{path} does not parse ({err}): the file is damaged; "
+                                    "restore it from the run's newest checkpoint "
+                                    "(step_NNNNNN/config.toml)") from None
                 if section:
                     return section
     return {}
@@ -156,14 +162,30 @@ def as_json(table: dict, section: dict[str, Any], unfinished: list[Path]) -> dic
     }
 
 
+def check_folder(folder: Path) -> None:
+    """Raise UserError unless `folder` can be a comparison folder: one that exists, and not a
+    `qarl train` run folder (one holding config.toml)."""
+    where = ("give the folder `qarl compare` printed (run.output_dir / run.name of its "
+             "recipe, e.g. runs/compare)")
+    if not folder.exists():
+        raise UserError(f"{folder} does not exist; {where}")
+    if not folder.is_dir():
+        raise UserError(f"{folder} is a file, not a comparison folder; {where}")
+    if (folder / "config.toml").is_file():
+        raise UserError(f"{folder} is the run folder of a `qarl train` run (it holds "
+                        f"config.toml), not a comparison folder of ARM/seedK runs; {where}")
+
+
 def write_report(folder: str | Path) -> list[Path]:
     """Write report.md, compare.json and the PNG plots into `folder`; return their paths."""
     folder = Path(folder)
+    check_folder(folder)
     finished, unfinished = find_runs(folder)
     if not finished:
-        raise FileNotFoundError(
+        raise UserError(
             f"no finished runs under {folder} (expected ARM/seedK/metrics.jsonl with a "
-            f"summary.json next to it, as `qarl compare` writes); {len(unfinished)} unfinished")
+            f"summary.json next to it, as `qarl compare` writes); {len(unfinished)} unfinished: "
+            "give the folder `qarl compare` wrote, once a run of it has finished")
     section = compare_section(finished)
     order = [arm for arm in section.get("arms", {}) if arm in finished]
     order += sorted(arm for arm in finished if arm not in order)

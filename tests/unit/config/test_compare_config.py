@@ -136,6 +136,20 @@ def test_recipe_without_compare_seed_override_and_repeated_arm():
         "--arms: fp,qarl,fp names an arm twice; name each once"]
 
 
+def test_no_arm_and_a_train_run_folder_are_refused(tmp_path):
+    """An empty list of arms is refused (not read as "every arm"), and so is a comparison
+    folder that is a `qarl train` run folder (it holds config.toml), where the arms' runs
+    would be written among the run's own files."""
+    assert problems_of("tiny", arms=[]) == [
+        "--arms: names no arm; name one or more of fp, naive, qarl, or leave --arms out"]
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.toml").write_text("[run]\n")
+    assert problems_of("tiny", [f"--run.output_dir={tmp_path}"]) == [
+        f"run.name: {tmp_path / 'tiny'} is the run folder of a `qarl train` run (it holds "
+        "config.toml), not a comparison folder; give the comparison its own --run.name or "
+        "--run.output_dir"]
+
+
 @pytest.mark.parametrize("recipe", ["compare", "tiny"])
 def test_first_step_prompts_equal_across_arms(recipe):
     """Every arm (optional ones too) sees the same prompts at a step: they follow from

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from qarl.report.compare import curve, gap_closed, relative_speed, stat, summarize
+from qarl.errors import UserError
 from qarl.report.compare_files import find_runs, write_report
 
 # arm -> seed -> (final deployed accuracy, final master accuracy, seconds per phase per step)
@@ -132,8 +133,36 @@ def test_finished_runs_only(tmp_path):
 
 
 def test_no_finished_runs_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no finished runs under .*ARM/seedK"):
+    """A folder with no finished run, one that does not exist, a `qarl train` run folder: a
+    UserError naming the folder and what to give instead, nothing written."""
+    with pytest.raises(UserError, match="no finished runs under .*ARM/seedK"):
         write_report(tmp_path)
+    with pytest.raises(UserError, match="nowhere does not exist; give the folder `qarl compare`"):
+        write_report(tmp_path / "nowhere")
+    (tmp_path / "config.toml").write_text("[run]\n")
+    with pytest.raises(UserError, match="is the run folder of a `qarl train` run"):
+        write_report(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.toml"]
+
+
+def test_a_damaged_run_file_is_named(tmp_path):
+    """A finished run's metrics.jsonl line that is not a row, or its config.toml that does not
+    parse: a UserError naming the file (and line), with where to restore it from; no report
+    file written."""
+    write_fixture(tmp_path)
+    metrics = tmp_path / "base" / "seed1" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"step": 3, "kind": "tr\n')
+    with pytest.raises(UserError, match=rf"{metrics} line 6 is not a row of metrics .*step_NNNNNN/metrics.jsonl"):
+        write_report(tmp_path)
+    metrics.write_text('{"step": 1}\n')
+    with pytest.raises(UserError, match="line 1 is not a row of metrics \\(no 'step' and 'kind'\\)"):
+        write_report(tmp_path)
+    write_fixture(tmp_path / "again")
+    config = tmp_path / "again" / "arm" / "seed0" / "config.toml"
+    config.write_text("[compare\n")
+    with pytest.raises(UserError, match=rf"{config} does not parse .*step_NNNNNN/config.toml"):
+        write_report(tmp_path / "again")
+    assert not list(tmp_path.glob("**/report.md")) and not list(tmp_path.glob("**/compare.json"))
 
 
 def test_pure_pieces():

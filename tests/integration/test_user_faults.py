@@ -1,8 +1,9 @@
-"""Faults a new user hits (docs/training.md, "Reliability"): every user error is one clean
-message with exit status 2 and nothing written to the run folder; a resume never deletes what
-it cannot read; a planted infinite learning rate is caught; races between qarl processes and
-stop signals in the warm start end well. `tiny`, in process where possible (`qarl.cli.main`),
-in subprocesses where processes race or get signals."""
+"""Faults a new user hits with `qarl train` (docs/training.md, "Reliability"): every user
+error is one clean message with exit status 2 and nothing written to the run folder; a resume
+never deletes what it cannot read; a planted infinite learning rate is caught; races between
+qarl processes and stop signals in the warm start end well. The other commands' user errors
+are in test_command_faults.py. `tiny`, in process where possible (`qarl.cli.main`), in
+subprocesses where processes race or get signals."""
 
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from qarl.cli import main
+from qarl.lora.peft import PREFIX as PEFT_PREFIX
 from qarl.paths import qarl_home
 from qarl.train.trainer import train
+from refusals import refused
 
 HERE = Path(__file__).resolve().parent
 SMALL = {"train.steps": 2, "rollout.batch_size": 8, "train.micro_batch_size": 8,
@@ -30,16 +34,6 @@ SMALL = {"train.steps": 2, "rollout.batch_size": 8, "train.micro_batch_size": 8,
 def _overrides(out: Path, **extra) -> list[str]:
     values = {**SMALL, "run.output_dir": str(out), **extra}
     return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
-
-
-def _refused(capsys, *argv: str) -> str:
-    """Run `qarl ARGV` in process: it must exit with status 2 and print one message, no
-    traceback. Returns what it printed on stderr."""
-    code = main(list(argv))
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "Traceback" not in err and err.strip(), err
-    return err
 
 
 # ---- user errors: one clean message, exit 2, nothing written --------------------------
@@ -68,8 +62,23 @@ def bad_inputs(tmp_path, tiny_dir):
         "def fn(prompt, completion, **fields):\n    return 1.0\n")
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
+    no_completion = tmp_path / "no_completion.jsonl"  # prompt and answer: nothing to imitate
+    no_completion.write_text("".join(f'{{"prompt": "{a}+{b}", "answer": "{a + b}"}}\n'
+                                     for a in range(10) for b in range(10)))
+    peft_list = tmp_path / "peft_list"
+    peft_list.mkdir()
+    (peft_list / "adapter_config.json").write_text("[]")
+    (peft_list / "adapter_model.safetensors").write_bytes(b"")
+    peft_cut = tmp_path / "peft_cut"
+    peft_cut.mkdir()
+    (peft_cut / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8}')
+    adapter = peft_cut / "adapter_model.safetensors"
+    save_file({f"{PEFT_PREFIX}model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(4, 256)},
+              adapter)
+    adapter.write_bytes(adapter.read_bytes()[:-100])
     return {"empty": empty, "cut": cut, "gguf": gguf, "junk": junk, "no_eval": no_eval,
-            "rewards": rewards, "file": a_file}
+            "rewards": rewards, "file": a_file, "no_completion": no_completion,
+            "peft_list": peft_list, "peft_cut": peft_cut}
 
 
 CASES = {  # name -> (extra overrides, what the message must say)
@@ -97,6 +106,16 @@ CASES = {  # name -> (extra overrides, what the message must say)
         {"task.reward": "raising_rewards:fn"},
         "importing reward module 'raising_rewards' raised RuntimeError: planted at import (at "),
     "run folder under a file": ({"run.output_dir": "{file}/runs"}, "a_file is a file"),
+    "evaluation cache under a file": ({"eval.cache_dir": "{file}/cache"},
+                                      "a_file is a file, so the evaluation cache"),
+    "dataset without completions for the warm start": (
+        {"task.name": "", "task.options": "", "task.dataset": "{no_completion}"},
+        "which the warm start (sft.steps = 7) trains on; add a 'completion' column (a whole "
+        "response the reward scores 1.0), or set sft.steps = 0"),
+    "PEFT config that is no object": ({"lora.rank": "4", "lora.init_from": "{peft_list}"},
+                                      "adapter_config.json holds a JSON list, not the object"),
+    "PEFT adapters cut short": ({"lora.rank": "4", "lora.init_from": "{peft_cut}"},
+                                "adapter_model.safetensors is cut short"),
     "infinite learning rate": ({"train.lr": "inf"}, "train.lr: is inf"),
 }
 
@@ -112,7 +131,7 @@ def test_user_errors_are_one_message_before_any_work(case, bad_inputs, tmp_path,
     extra = {k: v.format(**bad_inputs) for k, v in extra.items()}
     out, sft = tmp_path / "runs", qarl_home() / "sft"
     cached = set(sft.iterdir()) if sft.is_dir() else set()
-    err = _refused(capsys, "train", "tiny", *_overrides(out, **extra), "--sft.steps=7")
+    err = refused(capsys, "train", "tiny", *_overrides(out, **extra), "--sft.steps=7")
     assert expected in err
     assert not out.exists()
     assert (set(sft.iterdir()) if sft.is_dir() else set()) == cached  # no warm start ran
@@ -127,7 +146,7 @@ def test_a_reward_that_fails_on_every_call_stops_the_run(tmp_path, capsys, monke
         "def boom(prompt, completion, **fields):\n"
         "    raise RuntimeError('planted: the reward is broken')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    err = _refused(capsys, "train", "tiny", *_overrides(tmp_path / "runs"),
+    err = refused(capsys, "train", "tiny", *_overrides(tmp_path / "runs"),
                    "--task.reward=boom_rewards:boom")
     assert ("every one of the 8 reward calls of the quantized evaluation failed (8 errors, 0 "
             "timeouts)") in err
@@ -139,24 +158,27 @@ def test_a_reward_that_fails_on_every_call_stops_the_run(tmp_path, capsys, monke
     assert not list(run.glob("step_*"))
 
 
-def test_read_only_run_folder_is_refused(tmp_path, capsys, monkeypatch):
+def test_read_only_run_folder_isrefused(tmp_path, capsys, monkeypatch):
     """A run folder on a disk that takes no writes is refused at load, naming the folder."""
     real_access = os.access
     monkeypatch.setattr(os, "access", lambda path, mode: False if str(path) == str(tmp_path)
                         else real_access(path, mode))
-    err = _refused(capsys, "train", "tiny", *_overrides(tmp_path))
+    err = refused(capsys, "train", "tiny", *_overrides(tmp_path))
     assert f"{tmp_path} cannot be written" in err
 
 
 def test_other_commands_refuse_cleanly(tmp_path, capsys):
-    """A recipe that is not UTF-8, `qarl sft` with a misspelled key, `qarl export` into a
-    file: one message each, exit status 2."""
+    """A recipe that is not UTF-8 or is a folder, `qarl sft` with a misspelled key or no
+    steps to run, `qarl export` into a file: one message each, exit status 2."""
     latin1 = tmp_path / "latin1.toml"
     latin1.write_bytes(b"[train]\nsteps = 1\nlr = 1e-5\n# caf\xe9\n")
-    assert "not UTF-8 text (byte 0xe9" in _refused(capsys, "train", str(latin1))
-    assert "did you mean 'steps'" in _refused(capsys, "sft", "tiny", "--sft.stpes=3")
+    assert "not UTF-8 text (byte 0xe9" in refused(capsys, "train", str(latin1))
+    assert "is a folder, not a recipe file" in refused(capsys, "sft", str(tmp_path))
+    assert "did you mean 'steps'" in refused(capsys, "sft", "tiny", "--sft.stpes=3")
+    err = refused(capsys, "sft", "tiny", "--sft.steps=0")
+    assert "has sft.steps = 0: there is no warm start to run; set --sft.steps=N" in err
     (tmp_path / "out_file").write_text("x")
-    err = _refused(capsys, "export", str(tmp_path), str(tmp_path / "out_file"), "--format", "hf")
+    err = refused(capsys, "export", str(tmp_path), str(tmp_path / "out_file"), "--format", "hf")
     assert "out_file is a file" in err
 
 
@@ -188,10 +210,31 @@ def test_resume_on_damaged_checkpoints_loses_nothing(tmp_path, capsys):
     for folder in run.glob("step_*"):
         (folder / "optimizer.safetensors").unlink()
     before = _tree(run)
-    err = _refused(capsys, "train", "--resume", str(run))
+    err = refused(capsys, "train", "--resume", str(run))
     assert "none can be resumed" in err and "missing optimizer.safetensors" in err
-    err = _refused(capsys, "train", "tiny", *_overrides(tmp_path))
+    err = refused(capsys, "train", "tiny", *_overrides(tmp_path))
     assert "Nothing was changed" in err
+    assert _tree(run) == before
+
+
+def test_resume_of_checkpoints_that_do_not_fit_changes_nothing(tmp_path, capsys):
+    """A run folder whose checkpoints hold weights of another shape (as a checkpoint copied
+    from another model's run would): `--resume` is refused with exit status 2 naming the file,
+    the tensor and both shapes, and every file of the run is left as it was."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "tiny"
+    train("tiny", {**SMALL, "run.output_dir": str(tmp_path)})
+    for folder in run.glob("step_*"):  # an embedding one row longer
+        weights = load_file(folder / "model.safetensors")
+        embedding = weights["model.embed_tokens.weight"]
+        weights["model.embed_tokens.weight"] = torch.zeros(embedding.shape[0] + 1, embedding.shape[1])
+        save_file(weights, folder / "model.safetensors")
+    before = _tree(run)
+    err = refused(capsys, "train", "--resume", str(run))
+    assert (f"{run / 'step_000002' / 'model.safetensors'} does not fit this model: 1 of another "
+            "shape (e.g. model.embed_tokens.weight: [") in err
+    assert f"Nothing was deleted; move step_000002 out of {run} to resume from an earlier" in err
     assert _tree(run) == before
 
 
@@ -209,7 +252,7 @@ def test_a_weights_only_final_checkpoint_ends_the_run_and_loses_nothing(tmp_path
     capsys.readouterr()
     assert (run / "step_000002" / "model.safetensors").read_bytes() == weights
     before = _tree(run)
-    err = _refused(capsys, "train", "--resume", str(run), "--train.steps=3")
+    err = refused(capsys, "train", "--resume", str(run), "--train.steps=3")
     assert "saved without optimizer state" in err and "Nothing was changed" in err
     assert _tree(run) == before
     assert main(["export", str(run), str(tmp_path / "hf"), "--format", "hf"]) == 0

@@ -66,7 +66,8 @@ def check_checkpoint(folder: Path, config) -> None:
     from qarl.errors import UserError
     from qarl.lora.recipe import attach_adapters
     from qarl.model import load_skeleton
-    from qarl.train.checkpoint import POINTER, weights_problem
+    from qarl.lora.fit import weights_problem
+    from qarl.train.checkpoint import POINTER
 
     where = "pass a step_NNNNNN folder of a run (e.g. runs/NAME/step_000020)"
     if not folder.exists():

@@ -50,7 +50,7 @@ from qarl.model.zoo import resolve
 from qarl.quant import SCHEMES, QWeight, export_state, quantize_model
 from qarl.quant.apply import FUSED_GROUPS
 from qarl.lora.layers import attach_lora, default_alpha, load_adapters, remove_adapters
-from qarl.train.checkpoint import weights_problem
+from qarl.lora.fit import weights_problem
 
 FORMATS = ("hf", "compressed-tensors", "peft")
 CONFIG_FILE = "config.toml"  # the resolved config a checkpoint was trained with

@@ -34,6 +34,6 @@ def test_metrics_rows_read_back_without_their_nulls(tmp_path):
     """A metrics.jsonl row's null (a figure missing at that step) is left out on reading."""
     from qarl.report import read_metrics
 
-    (tmp_path / "m.jsonl").write_text(jsonio.dumps({"step": 1, "reward/mean": math.nan,
-                                                     "x": 2.0}) + "\n")
-    assert read_metrics(tmp_path / "m.jsonl") == [{"step": 1, "x": 2.0}]
+    (tmp_path / "m.jsonl").write_text(jsonio.dumps({"step": 1, "kind": "train",
+                                                     "reward/mean": math.nan, "x": 2.0}) + "\n")
+    assert read_metrics(tmp_path / "m.jsonl") == [{"step": 1, "kind": "train", "x": 2.0}]

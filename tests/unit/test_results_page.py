@@ -23,10 +23,10 @@ TABLE = "| a | b |\n|---|---|\n| 1 | 2 |"
 
 @pytest.fixture
 def files(tmp_path, monkeypatch) -> tuple[Path, Path]:
-    """(page, README): copies of the repository's, where results_page reads and writes."""
+    """(page, README) where results_page reads and writes: a page not written yet (the first
+    write creates it) and a copy of the repository's README."""
     page, readme = tmp_path / "docs" / "results.md", tmp_path / "README.md"
     page.parent.mkdir()
-    shutil.copy(ROOT / "docs" / "results.md", page)
     shutil.copy(ROOT / "README.md", readme)
     monkeypatch.setattr(results_page, "RESULTS", page)
     monkeypatch.setattr(results_page, "README", readme)
@@ -112,18 +112,19 @@ def test_a_readme_without_the_block_is_refused_by_sync_and_left_alone_by_writes(
     such a README untouched."""
     page, readme = files
     readme.write_text("# qarl\n\nNo results here.\n")
-    with pytest.raises(SystemExit, match=re.escape(results_page.README_BEGIN)) as raised:
-        results_page.sync_readme()
-    assert results_page.README_END in str(raised.value)
     write("a", glance=("what", "reading"))
     assert readme.read_text() == "# qarl\n\nNo results here.\n"
     assert "a" in results_page.sections(page.read_text())
+    with pytest.raises(SystemExit, match=re.escape(results_page.README_BEGIN)) as raised:
+        results_page.sync_readme()
+    assert results_page.README_END in str(raised.value)
+    assert readme.read_text() == "# qarl\n\nNo results here.\n"
 
 
 def test_a_missing_page_is_created_with_its_header(files):
     """A page that does not exist yet starts with the fixed header and the glance block."""
     page, _ = files
-    page.unlink()
+    assert not page.exists()
     write("a", glance=("what", "reading"))
     text = page.read_text()
     assert text.startswith(results_page.HEADER + "\n<!-- results:glance:begin -->\n| what |")

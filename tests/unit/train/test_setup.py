@@ -61,7 +61,7 @@ def test_prompts_over_the_token_limit_are_counted_at_load(tmp_path, tiny_dir):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     overrides = {"model.name": str(tiny_dir), "task.name": None, "task.options": {},
-                 "task.dataset": str(path), "task.max_prompt_tokens": 64}
+                 "task.dataset": str(path), "task.max_prompt_tokens": 64, "sft.steps": 0}
     config = load_config("tiny", overrides)
     task, encoder = prompt_side(config, load_tokenizer(tiny_dir))
     assert task.report.bad["too_long"] == 1 and task.report.bad_rows["too_long"] == [6]

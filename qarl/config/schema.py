@@ -22,7 +22,8 @@ from qarl.config.dist_schema import DistSection
 from qarl.config.lora_schema import LoraSection
 from qarl.config.monitor_schema import MonitorSection
 from qarl.config.policy_schema import ModelSection, QuantSection
-from qarl.config.rollout_schema import EvalSection, RolloutSection, TaskSection
+from qarl.config.rollout_schema import EvalSection, RolloutSection
+from qarl.config.task_schema import TaskSection
 from qarl.config.run_schema import LogSection, RunSection
 from qarl.config.train_schema import SftSection, TrainSection
 

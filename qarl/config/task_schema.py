@@ -1,0 +1,66 @@
+"""The task: where prompts come from, how they are templated, and the reward that scores them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from qarl.config.section import CHECK, SPEED
+from qarl.config.section import SECTION as _SECTION
+
+
+class TaskSection(BaseModel):
+    """What the model is trained on: a built-in task or a dataset file, and its reward."""
+
+    model_config = _SECTION
+
+    name: str | None = Field(
+        None,
+        min_length=1,
+        description="A built-in task from qarl.tasks.TASKS (e.g. 'addition'). Set exactly one "
+        "of name and dataset.",
+    )
+    dataset: str | None = Field(
+        None,
+        min_length=1,
+        description="Path to a .jsonl or .parquet file of prompts (and answers). Relative to "
+        "the current directory; saved absolute. Set exactly one of name and dataset.",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword options of the task, e.g. {digits = 1} for 'addition'; with a "
+        "dataset, options of the 'dataset' task (e.g. {eval_fraction = 0.1}). Names are "
+        "checked against the task.",
+    )
+    reward: str | None = Field(
+        None,
+        min_length=1,
+        description="Reward: a built-in name from qarl.tasks.REWARDS (e.g. 'math_answer') or "
+        "'module:function', called as (prompt, completion, **fields) -> float | None. "
+        "Default: the task's own verifier.",
+    )
+    system_prompt: str | None = Field(
+        None, description="System message of every prompt that has none of its own (a dataset "
+        "row's 'system' column wins); without a chat template it is prepended as plain text and "
+        "a blank line. Default: none."
+    )
+    chat_template: bool = Field(
+        True, description="Wrap prompts in the tokenizer's chat template (if it has one); "
+        "otherwise a prompt is encoded as plain text."
+    )
+    reward_timeout_s: float = Field(
+        10.0, gt=0, description="Deadline per reward call; a timeout is counted, never a 0."
+    )
+    reward_workers: int = Field(2, ge=1, description="Worker processes that compute rewards.",
+                                json_schema_extra=SPEED)
+    reward_error_warn: float = Field(
+        0.1, ge=0, le=1, description="Warn when more than this fraction of a step's (or an "
+        "evaluation's) reward calls fail (an error or a timeout: each scores None, never 0); "
+        "the warning is logged when it starts and when it clears, and each distinct error is "
+        "kept in the run folder's reward_errors.txt. Every call of the run's first batch "
+        "failing stops the run (exit status 2).", json_schema_extra=CHECK)
+    eval_size: int = Field(200, ge=1, description="Held-out prompts for evaluation.")
+    max_prompt_tokens: int = Field(
+        256, ge=1, description="Prompts longer than this (after templating) are an error."
+    )

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from qarl.config.checks import run_checks
 from qarl.config.errors import ConfigError, Problem, pydantic_problems, short, unknown_key
 from qarl.config.schema import OPTIONAL_SECTIONS, SECTIONS, RunConfig
+from qarl.model.tokenizer import is_template_text
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -140,6 +141,9 @@ def _resolve(sections: dict[str, BaseModel], stem: str) -> None:
         update("model", name=str(Path(sections["model"].name).resolve()))
     if "task" in sections and sections["task"].dataset is not None:
         update("task", dataset=str(Path(sections["task"].dataset).resolve()))
+    template = sections["task"].chat_template if "task" in sections else None
+    if isinstance(template, str) and not is_template_text(template) and Path(template).is_file():
+        update("task", chat_template=str(Path(template).resolve()))
     if all(name in sections for name in ("eval", "task", "rollout")):
         eval_, task, rollout = sections["eval"], sections["task"], sections["rollout"]
         update(

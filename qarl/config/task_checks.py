@@ -7,6 +7,7 @@ from pathlib import Path
 
 from qarl.config.errors import Problem, short, suggest
 from qarl.config.names import check_name, param_problems
+from qarl.model.tokenizer import read_chat_template
 from qarl.tasks import REWARDS, TASKS, task_options
 
 DATASET_SUFFIXES = (".jsonl", ".parquet")
@@ -58,3 +59,15 @@ def reward_exists(task) -> list[Problem]:
     return [Problem("task.reward", f"{short(task.reward)} is neither a built-in reward "
                                    f"({', '.join(sorted(REWARDS))}) nor 'module:function' "
                                    "(e.g. 'my_rewards:exact_match')")]
+
+
+def chat_template_reads(task) -> list[Problem]:
+    """A task.chat_template string is Jinja text that compiles, or names a file holding such."""
+    if not isinstance(task.chat_template, str):
+        return []
+    try:
+        read_chat_template(task.chat_template)
+    except ValueError as err:
+        return [Problem("task.chat_template", f"{err}; or true (the tokenizer's own template) "
+                                              "or false (plain text)")]
+    return []

@@ -45,9 +45,12 @@ class TaskSection(BaseModel):
         "row's 'system' column wins); without a chat template it is prepended as plain text and "
         "a blank line. Default: none."
     )
-    chat_template: bool = Field(
-        True, description="Wrap prompts in the tokenizer's chat template (if it has one); "
-        "otherwise a prompt is encoded as plain text."
+    chat_template: bool | str = Field(
+        True, description="true: wrap prompts in the tokenizer's chat template (if it has "
+        "one, else plain text); false: encode a prompt as plain text; a string: a Jinja chat "
+        "template (as transformers reads `chat_template`; text with a '{{' or '{%' tag) or the "
+        "path of a file holding one (relative to the current directory; saved absolute), used "
+        "instead of the tokenizer's. Responses still end at the tokenizer's end tokens."
     )
     reward_timeout_s: float = Field(
         10.0, gt=0, description="Deadline per reward call; a timeout is counted, never a 0."

@@ -48,11 +48,13 @@ class Tokenizer:
         system: str | None = None,
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        template: str | None = None,
     ) -> str | list[int]:
         """The chat template applied to `messages` (a list of {"role", "content"} dicts, or one
         user prompt string), with an optional system message first; the text, or its ids
-        when `tokenize`."""
-        if self.hf.chat_template is None:
+        when `tokenize`. `template` (Jinja text, as transformers reads `chat_template`) is used
+        instead of the tokenizer's own."""
+        if template is None and self.hf.chat_template is None:
             raise ValueError(
                 f"tokenizer {self.hf.name_or_path!r} has no chat template; format the prompt "
                 f"yourself and call encode(), or add chat_template to the tokenizer folder"
@@ -61,7 +63,8 @@ class Tokenizer:
             messages = [{"role": "user", "content": messages}]
         if system is not None:
             messages = [{"role": "system", "content": system}, *messages]
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self.hf.apply_chat_template(messages, tokenize=False, chat_template=template,
+                                           add_generation_prompt=add_generation_prompt)
         return self.encode(text) if tokenize else text
 
     def __repr__(self) -> str:
@@ -69,6 +72,39 @@ class Tokenizer:
             f"Tokenizer({self.hf.name_or_path!r}, vocab_size={self.vocab_size}, "
             f"eos_token_ids={self.eos_token_ids}, pad_token_id={self.pad_token_id})"
         )
+
+
+def is_template_text(value: str) -> bool:
+    """Whether a `task.chat_template` string is Jinja text (it has a `{{` or `{%` tag) rather
+    than the path of a file that holds it."""
+    return "{{" in value or "{%" in value
+
+
+def read_chat_template(value: str) -> str:
+    """The Jinja text of a `task.chat_template` string: the string itself, or the file it names
+    (UTF-8). Raises ValueError naming the problem: a missing or unreadable file, or a
+    template that does not compile (transformers' own sandboxed Jinja environment)."""
+    if is_template_text(value):
+        text = value
+    else:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"{value!r} is neither a Jinja template (no '{{{{' or '{{%' tag) nor "
+                             "an existing file; give the template text or the path of a file "
+                             "that holds it")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"cannot read the chat template file {value!r}: {err}") from None
+    from jinja2 import TemplateError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(text)
+    except TemplateError as err:
+        where = "" if is_template_text(value) else f" in {value!r}"
+        raise ValueError(f"the chat template{where} is not valid Jinja: {err}") from None
+    return text
 
 
 def read_tokenizer(path: Path) -> Tokenizer:

@@ -9,18 +9,25 @@ from pathlib import Path
 
 from qarl.config import RolloutSection, RunConfig, TaskSection
 from qarl.errors import UserError
-from qarl.model.tokenizer import Tokenizer
+from qarl.model.tokenizer import Tokenizer, read_chat_template
 from qarl.tasks import Example, RewardRunner, Task, make_task
 from qarl.train.reward_watch import RewardWatch
 from qarl.types import SamplingParams
 
 
 class PromptEncoder:
-    """Example -> prompt token ids: system prompt, chat template, length check, cache."""
+    """Example -> prompt token ids: system prompt, chat template, length check, cache.
+
+    `task.chat_template`: true uses the tokenizer's template where it has one, false encodes
+    plain text, a string is a template (or its file) used instead of the tokenizer's."""
 
     def __init__(self, task_cfg: TaskSection, tokenizer: Tokenizer, task: Task):
         self.task_cfg, self.tokenizer, self.task = task_cfg, tokenizer, task
         self.cache: dict[tuple, list[int]] = {}
+        choice = task_cfg.chat_template
+        self.chat_template = read_chat_template(choice) if isinstance(choice, str) else None
+        self.use_template = (self.chat_template is not None
+                             or (choice is True and tokenizer.hf.chat_template is not None))
 
     def encode_prompts(self, examples: list[Example]) -> list[list[int]]:
         out = []
@@ -44,8 +51,9 @@ class PromptEncoder:
     def encode(self, example: Example) -> list[int]:
         cfg = self.task_cfg
         system = example.system if example.system is not None else cfg.system_prompt
-        if cfg.chat_template and self.tokenizer.hf.chat_template is not None:
-            return self.tokenizer.apply_chat(example.prompt, system=system, tokenize=True)
+        if self.use_template:
+            return self.tokenizer.apply_chat(example.prompt, system=system, tokenize=True,
+                                             template=self.chat_template)
         text = example.prompt if system is None else f"{system}\n\n{example.prompt}"
         return self.tokenizer.encode(text)
 

@@ -22,6 +22,7 @@ from qarl.config import RunConfig
 from qarl.errors import UserError
 from qarl.model import DTYPES, CausalLM, load_model, load_tokenizer, save_model
 from qarl.model.loading import check_safetensors
+from qarl.model.tokenizer import read_chat_template
 from qarl.paths import cache_lock, qarl_home
 from qarl.rollout.engine import left_pad
 from qarl.train.learner.logprobs import response_logprobs
@@ -35,10 +36,12 @@ def sft_seed(config: RunConfig) -> int:
 
 
 def sft_key(config: RunConfig) -> str:
+    task = config.task.model_dump(include={"name", "dataset", "options", "system_prompt",
+                                           "chat_template"})
+    if isinstance(config.task.chat_template, str):  # the template's text, not its file's name
+        task["chat_template"] = read_chat_template(config.task.chat_template)
     shape = {
-        "model": config.model.name, "dtype": config.model.master_dtype,
-        "task": config.task.model_dump(include={"name", "dataset", "options", "system_prompt",
-                                                "chat_template"}),
+        "model": config.model.name, "dtype": config.model.master_dtype, "task": task,
         "sft": config.sft.model_dump(exclude={"seed"}), "seed": sft_seed(config), "version": 1,
     }
     return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]

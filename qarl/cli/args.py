@@ -58,3 +58,17 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole "
                                          "numbers of at least 0, e.g. 0,1,2")
     return values
+
+
+def device(text: str) -> str:
+    """A device qarl runs on that this machine has: 'cpu', 'cuda' or 'cuda:N' (train.device's
+    rule, qarl.config.train_checks.device_exists)."""
+    from qarl.config import DistSection, TrainSection
+    from qarl.config.train_checks import device_exists
+
+    # the check reads train.device and dist.learner_ranks alone: sections built unvalidated
+    problems = device_exists(TrainSection.model_construct(device=text),
+                             DistSection.model_construct(learner_ranks=1))
+    if problems:
+        raise argparse.ArgumentTypeError(problems[0].message)
+    return text

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from qarl import jsonio
-from qarl.cli.args import name_list, nonnegative_int, positive_float, positive_int
+from qarl.cli.args import device, name_list, nonnegative_int, positive_float, positive_int
 from qarl.rollout import ENGINES
 
 ACCEPTS_OVERRIDES = True  # --section.key=value on the recipe, checked by qarl.config
@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-rank", type=nonnegative_int, default=None,
                         help="rows with LoRA adapters of this rank on both sides (planted, "
                         "nonzero; default: the recipe's lora.rank, else none)")
+    parser.add_argument("--device", type=device, default=None,
+                        help="where the sampler and the learners run: 'cpu', 'cuda' or 'cuda:N' "
+                        "(default: the recipe's train.device, else cpu)")
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead")
 
 
@@ -54,11 +57,12 @@ def run(args: argparse.Namespace) -> int:
     from qarl.config import LoraSection, load_config
     from qarl.model.check import check_model
 
-    quant, model, lora = None, args.model or "tiny", None
+    quant, model, lora, on = None, args.model or "tiny", None, args.device or "cpu"
     if args.recipe is not None or args.overrides:
         config = load_config(args.recipe, args.overrides)  # a ConfigError: exit 2
         quant, model = config.quant, args.model or config.model.name
         lora = config.lora if config.lora.rank else None
+        on = args.device or config.train.device
     if args.lora_rank is not None:
         lora = LoraSection(rank=args.lora_rank) if args.lora_rank else None
     kind = ENGINES[args.engine]
@@ -70,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     check_model(model)  # a name or folder that cannot load is refused before any model loads
     arms = run_arms(model, schemes, aligns, args.prompts, args.max_new_tokens,
                     args.temperature, args.seed, not args.no_full_sequence, quant, args.engine,
-                    lora)
+                    lora, on)
     rows = []
     for arm in arms:  # one progress line per arm on stderr
         rows.append(arm_row(arm))

@@ -158,13 +158,15 @@ def run_arms(
     quant: QuantSection | None = None,
     engine: str = "local",
     lora: LoraSection | None = None,
+    device: str = "cpu",
 ) -> Iterator[Arm]:
     """Yield one Arm per (scheme, align, path), scheme by scheme (see the module docstring).
     `quant` (a recipe's section; default: every projection in the blocks, no options) gives
     the include / exclude / options used for every scheme; its scheme and align are replaced.
     `engine`: what samples the batch, "local" or "vllm". `lora` (rank > 0): the sampler and
     every learner carry LoRA adapters on its targets, the same planted values on both sides
-    (A ~ N(0, 1/r), B ~ N(0, 0.02^2) per layer from `seed`: an adapter as after training)."""
+    (A ~ N(0, 1/r), B ~ N(0, 0.02^2) per layer from `seed`: an adapter as after training).
+    `device`: where the sampler and the learners run, as train.device places them."""
     from qarl.model import load_model, load_tokenizer
     from qarl.quant import export_state, quant_layers
     from qarl.rollout import LocalEngine
@@ -187,7 +189,7 @@ def run_arms(
 
     kind = ENGINES[engine]
     tokenizer = load_tokenizer(model_name)
-    pristine = load_model(model_name)
+    pristine = load_model(model_name).to(device)  # the trainer's placement (qarl.train.policy)
     moe = bool(pristine.config.moe_layers)
     if moe and kind.dense_only:
         raise UserError(f"engine {engine!r} takes dense models only; {model_name!r} is a "
@@ -290,13 +292,14 @@ def parity_matrix(
     quant: QuantSection | None = None,
     engine: str = "local",
     lora: LoraSection | None = None,
+    device: str = "cpu",
 ) -> list[dict]:
     """One row (see `arm_row`) per (scheme, align, path); schemes default to all of SCHEMES."""
     from qarl.quant import SCHEMES
 
     schemes = list(SCHEMES) if schemes is None else list(schemes)
     arms = run_arms(model_name, schemes, aligns, num_prompts, max_new_tokens, temperature, seed,
-                    include_full_sequence, quant, engine, lora)
+                    include_full_sequence, quant, engine, lora, device)
     return [arm_row(arm) for arm in arms]
 
 

@@ -156,6 +156,8 @@ def test_export_refuses_a_checkpoint_it_cannot_read(case, tmp_path, tiny_dir, ca
     (["--temperature", "nan"], "argument --temperature: 'nan' is not a finite number above 0"),
     (["--lora-rank", "-2"], "argument --lora-rank: '-2' is not a whole number of at least 0"),
     (["--schemes", ","], "argument --schemes: ',' names nothing"),
+    (["--device", "gpu"], "argument --device: 'gpu' is not a device qarl trains on; use 'cpu', "
+                          "'cuda' or 'cuda:N'"),
     (["--model", "no-such-model"], "'no-such-model' is neither an existing path nor a zoo model"),
     (["--model", "{tmp_path}"], "has no config.json: it is not a model folder"),
 ])

@@ -145,6 +145,16 @@ def test_cli_table(tiny_dir, capsys):
     assert lines[1].split()[3] == "0" and lines[1].split()[9] == "yes"
 
 
+def test_cli_device_places_sampler_and_learners(tiny_dir, capsys):
+    """`--device cpu` runs the matrix on the named device (`benchmarks/gpu_check.sh` runs it
+    with `cuda`): kernel alignment stays bit exact there."""
+    assert main(["parity", "--model", str(tiny_dir), "--schemes", "w8a8-int8", "--aligns",
+                 "kernel", "--prompts", "2", "--max-new-tokens", "4", "--device", "cpu",
+                 "--no-full-sequence", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["bit_exact"] and row["max_abs_dlogp"] == 0.0
+
+
 def test_format_table_notation():
     """Tiny numbers print in scientific notation, larger ones as decimals, zero as 0."""
     row = dict(scheme="s", align="a", path="p", engine="local", mean_abs_dlogp=3.1e-7, max_abs_dlogp=0.0,

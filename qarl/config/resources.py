@@ -97,8 +97,8 @@ def task_loads(task, eval) -> list[Problem]:
 def reward_loads(task) -> list[Problem]:
     """A 'module:function' reward imports (an error while its module runs is shown as such,
     with where it was raised), names a function, and takes a call (prompt, completion,
-    **fields) with the fields of the task's first training row, as the reward workers will
-    make it; all before any model loads."""
+    **fields) with the fields of the task's first training row (with task.reward_batch: lists
+    of them), as the reward workers will make it; all before any model loads."""
     if task.reward is None or ":" not in task.reward:
         return []  # a built-in reward; reward_exists names an unknown one
     try:
@@ -109,7 +109,7 @@ def reward_loads(task) -> list[Problem]:
     if example is None:
         return []  # the task does not build: task_loads / one_task_source say why
     try:
-        check_signature(fn, task.reward, example.reward_kwargs())
+        check_signature(fn, task.reward, example.reward_kwargs(), batched=task.reward_batch)
     except TypeError as err:
         return [Problem("task.reward", str(err))]
     return []

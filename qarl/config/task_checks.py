@@ -71,3 +71,14 @@ def chat_template_reads(task) -> list[Problem]:
         return [Problem("task.chat_template", f"{err}; or true (the tokenizer's own template) "
                                               "or false (plain text)")]
     return []
+
+
+def batched_reward_named(task) -> list[Problem]:
+    """task.reward_batch = true needs a 'module:function' reward: the built-in rewards and
+    the tasks' own verifiers take one completion per call."""
+    if not task.reward_batch or (task.reward is not None and ":" in task.reward):
+        return []
+    seen = "the task's own verifier" if task.reward is None else f"built-in {task.reward!r}"
+    return [Problem("task.reward_batch", f"true with {seen}, which takes one completion per "
+                    "call; give task.reward = 'module:function' taking (prompts, completions, "
+                    "**fields) lists, or set task.reward_batch = false")]

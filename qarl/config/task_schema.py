@@ -52,8 +52,17 @@ class TaskSection(BaseModel):
         "path of a file holding one (relative to the current directory; saved absolute), used "
         "instead of the tokenizer's. Responses still end at the tokenizer's end tokens."
     )
+    reward_batch: bool = Field(
+        False, description="The reward takes lists: one call per batch (a step's responses, "
+        "an evaluation's) as (prompts, completions, **fields) with each field a list (None "
+        "where a row lacks it), returning one float | None per completion; for vectorised "
+        "scorers and model-based judges. Needs a 'module:function' task.reward. The call runs "
+        "in one reward worker under task.reward_timeout_s; if it raises or times out, every "
+        "completion of the batch gets that outcome."
+    )
     reward_timeout_s: float = Field(
-        10.0, gt=0, description="Deadline per reward call; a timeout is counted, never a 0."
+        10.0, gt=0, description="Deadline per reward call (with reward_batch: per batch); a "
+        "timeout is counted, never a 0."
     )
     reward_workers: int = Field(2, ge=1, description="Worker processes that compute rewards.",
                                 json_schema_extra=SPEED)

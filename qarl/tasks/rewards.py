@@ -93,17 +93,23 @@ def last_frame(exc: BaseException) -> str:
     return text
 
 
-def check_signature(fn: RewardFn, spec: str, fields: dict[str, Any]) -> None:
+def check_signature(fn: RewardFn, spec: str, fields: dict[str, Any],
+                    batched: bool = False) -> None:
     """Raise TypeError unless `fn` takes a call (prompt, completion, **fields) with these
-    fields, as the reward runner makes it; the message names the fields and the fix."""
+    fields, as the reward runner makes it (batched: lists of them); the message names the
+    fields and the fix."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return  # a builtin or C function without a signature: its first call will tell
     try:
-        signature.bind("prompt", "completion", **fields)
+        if batched:
+            signature.bind(["prompt"], ["completion"], **{k: [v] for k, v in fields.items()})
+        else:
+            signature.bind("prompt", "completion", **fields)
     except TypeError as err:
+        shape = ("(prompts, completions, **fields) -> list[float | None], each field a list"
+                 if batched else "(prompt, completion, **fields) -> float | None")
         raise TypeError(
-            f"reward {spec!r}{signature} cannot take a call (prompt, completion, "
-            f"**fields) with this task's fields {sorted(fields)}: {err}; define it as "
-            "def fn(prompt, completion, **fields) -> float | None") from None
+            f"reward {spec!r}{signature} cannot take a call {shape.split(' ->')[0]} with this "
+            f"task's fields {sorted(fields)}: {err}; define it as def fn{shape}") from None

@@ -20,6 +20,13 @@ waiting, may raise to abandon a batch (the trainer's SIGTERM / SIGINT check); wo
 busy are replaced before the next batch.
 `num_workers=0` scores inline in the calling process (no process start-up; exceptions are still
 counted, but deadlines cannot be enforced): for tests and debugging.
+
+Batched rewards (`batched=True`, the recipe's `task.reward_batch`): the reward takes lists,
+`fn(prompts, completions, **fields) -> sequence of float | None` with each field a list (None
+where a call lacks it), and `score` makes one call of it per batch, in one worker, under the
+same deadline. Each returned value gets its own outcome as above; a batch call that raises,
+returns something other than one value per completion, dies or times out gives every call of
+the batch that outcome (`error` or `timeout`) and message, counted per call.
 """
 
 from __future__ import annotations
@@ -37,12 +44,22 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from qarl.tasks.rewards import load_reward, resolve_spec
-from qarl.tasks.worker import ENTRY, encode_call, receive, score_one, send
+from qarl.tasks.worker import (
+    ENTRY,
+    batch_fields,
+    encode_batch,
+    encode_call,
+    receive,
+    score_batch,
+    score_one,
+    send,
+)
 
 OUTCOMES = ("ok", "unscorable", "error", "timeout")
 POLL_S = 0.1  # longest wait between two `stop_check` calls
 
 Call = tuple[str, str, dict[str, Any]]  # (prompt, completion, reward fields)
+Job = tuple[list[int], bytes]  # (the call indices one message scores, the message)
 
 
 @dataclass
@@ -78,7 +95,7 @@ class _Worker:
         self.inbox = Connection(from_child_r, writable=False)
         send(self.outbox, {"spec": spec, "sys_path": list(sys.path)})
         self.ready = False
-        self.index: int | None = None  # call in flight
+        self.index: int | None = None  # job in flight
         self.deadline = math.inf
 
     def exit_code(self) -> int | None:
@@ -101,7 +118,8 @@ class RewardRunner:
 
     Use as a context manager or call `close()`. `score(calls)` takes (prompt, completion,
     fields) triples and returns a `RewardResult`; the runner stays usable after errors and
-    timeouts. `startup_timeout_s` bounds a worker's start (imports included).
+    timeouts. `startup_timeout_s` bounds a worker's start (imports included); `batched`: the
+    reward takes lists, one call per `score` (module docstring).
     """
 
     def __init__(
@@ -110,6 +128,7 @@ class RewardRunner:
         num_workers: int = 2,
         timeout_s: float = 10.0,
         startup_timeout_s: float = 60.0,
+        batched: bool = False,
     ) -> None:
         problems = []
         if not (isinstance(num_workers, int) and num_workers >= 0):
@@ -122,6 +141,7 @@ class RewardRunner:
             raise ValueError("invalid RewardRunner settings: " + "; ".join(problems))
         self.spec = resolve_spec(reward_fn_spec)
         self.timeout_s, self.startup_timeout_s = float(timeout_s), startup_timeout_s
+        self.batched = batched
         self.workers_replaced = 0
         self.stop_check: Callable[[], None] = lambda: None
         self._inline_fn = load_reward(self.spec) if num_workers == 0 else None
@@ -182,16 +202,44 @@ class RewardRunner:
                 messages[i] = encode_call(i, *call)
             except (TypeError, ValueError) as e:
                 self._record(result, i, "error", f"reward fields are not JSON values: {e}")
-        if self._inline_fn is not None:
+        if self.batched:
+            self._score_batch([i for i in messages], calls, result)
+        elif self._inline_fn is not None:
             for i, message in messages.items():
                 self.stop_check()
                 job = json.loads(message)
                 self._record(result, i, *score_one(self._inline_fn, job["prompt"],
                                                    job["completion"], job["fields"]))
         else:
-            self._score_in_workers(messages, result)
+            self._score_in_workers({i: ([i], message) for i, message in messages.items()},
+                                   result)
         result.seconds = time.monotonic() - start
         return result
+
+    def _score_batch(self, indices: list[int], calls: Sequence[Call],
+                     result: RewardResult) -> None:
+        """The calls at `indices` (those whose fields are JSON) as one call of a batched
+        reward."""
+        if not indices:
+            return
+        prompts = [calls[i][0] for i in indices]
+        completions = [calls[i][1] for i in indices]
+        fields = batch_fields([calls[i][2] for i in indices])
+        if self._inline_fn is not None:
+            self.stop_check()
+            self._record_job(result, indices, score_batch(self._inline_fn, prompts, completions,
+                                                          json.loads(json.dumps(fields))))
+        else:
+            self._score_in_workers({0: (indices, encode_batch(0, prompts, completions,
+                                                              fields))}, result)
+
+    def _record_job(self, result: RewardResult, indices: list[int],
+                    scored: tuple[str, Any] | list[tuple[str, Any]]) -> None:
+        """Record a job's answer: one (outcome, value) per call, or one for all its calls."""
+        if isinstance(scored, tuple):
+            scored = [scored] * len(indices)
+        for index, (outcome, value) in zip(indices, scored, strict=True):
+            self._record(result, index, outcome, value)
 
     @staticmethod
     def _record(result: RewardResult, index: int, outcome: str, payload: Any) -> None:
@@ -201,12 +249,14 @@ class RewardRunner:
         elif outcome in ("error", "timeout"):
             result.errors[index] = payload
 
-    def _score_in_workers(self, messages: dict[int, bytes], result: RewardResult) -> None:
+    def _score_in_workers(self, jobs: dict[int, Job], result: RewardResult) -> None:
+        """Send each job (one message, scoring one call or a batch of calls) to a free worker;
+        record its answer, or the timeout / death of its worker for each of its calls."""
         for w in list(self._workers):
             if w.index is not None:  # left busy by a score() that raised: its answer is stale
                 self._replace(w)
-        pending = deque(messages)
-        remaining = len(messages)
+        pending = deque(jobs)
+        remaining = len(jobs)
         while remaining:
             self._await_ready()
             for w in list(self._workers):
@@ -214,9 +264,9 @@ class RewardRunner:
                     w.index = pending.popleft()
                     w.deadline = time.monotonic() + self.timeout_s
                     try:
-                        w.outbox.send_bytes(messages[w.index])
+                        w.outbox.send_bytes(jobs[w.index][1])
                     except (BrokenPipeError, ConnectionResetError):
-                        # Died between calls: not this call's doing, so it goes back in line.
+                        # Died between calls: not this job's doing, so it goes back in line.
                         pending.appendleft(w.index)
                         self._replace(w, result)
             busy = [w for w in self._workers if w.index is not None]
@@ -228,23 +278,27 @@ class RewardRunner:
             self.stop_check()
             for w in busy:
                 if w.inbox in ready:
-                    remaining -= self._collect(w, result)
+                    remaining -= self._collect(w, jobs[w.index][0], result)
                 elif time.monotonic() >= w.deadline:
                     message = f"no answer within {self.timeout_s} s; worker killed and replaced"
-                    self._record(result, w.index, "timeout", message)
+                    self._record_job(result, jobs[w.index][0], ("timeout", message))
                     self._replace(w, result)
                     remaining -= 1
 
-    def _collect(self, w: _Worker, result: RewardResult) -> int:
-        """Record the answer of a worker whose pipe is readable; 1 (one call done)."""
+    def _collect(self, w: _Worker, indices: list[int], result: RewardResult) -> int:
+        """Record the answer of a worker whose pipe is readable (for the calls at `indices`);
+        1 (one job done)."""
         try:
             answer = receive(w.inbox)
         except EOFError:
             message = f"reward worker died (exit code {w.exit_code()})"
-            self._record(result, w.index, "error", message)
+            self._record_job(result, indices, ("error", message))
             self._replace(w, result)
         else:
-            self._record(result, answer["index"], answer["outcome"], answer["value"])
+            if "results" in answer:
+                self._record_job(result, indices, [tuple(pair) for pair in answer["results"]])
+            else:
+                self._record_job(result, indices, (answer["outcome"], answer["value"]))
             w.index, w.deadline = None, math.inf
         return 1
 

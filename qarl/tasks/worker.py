@@ -10,8 +10,11 @@ returns is ever unpickled by the trainer):
     parent -> worker   {"spec": ..., "sys_path": [...]}       once, first
     worker -> parent   {"ready": true} | {"init_error": message}
     parent -> worker   {"index": i, "prompt": ..., "completion": ..., "fields": {...}} ...
-                       and null to stop
-    worker -> parent   {"index": i, "outcome": ..., "value": reward or message}
+                       or, for a batched reward, {"index": i, "prompts": [...],
+                       "completions": [...], "fields": {name: [...]}}; and null to stop
+    worker -> parent   {"index": i, "outcome": ..., "value": reward or message}, or for a
+                       batch {"index": i, "results": [[outcome, value], ...]} (a batch call
+                       that raised answers one outcome for all)
 
 Reward fields are JSON values: a call whose fields are not (`encode_call` raises) is an
 `error` outcome before it reaches a worker. The worker ignores SIGINT (a Ctrl-C reaches the
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import signal
 import sys
 from multiprocessing.connection import Connection
@@ -52,20 +56,61 @@ def encode_call(index: int, prompt: str, completion: str, fields: dict[str, Any]
                        "fields": fields}).encode()
 
 
+def batch_fields(fields: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Per-call field dicts as one list per field name (names in order of first appearance),
+    None where a call lacks the field: the keyword arguments of a batched reward."""
+    names = list(dict.fromkeys(name for call in fields for name in call))
+    return {name: [call.get(name) for call in fields] for name in names}
+
+
+def encode_batch(index: int, prompts: list[str], completions: list[str],
+                 fields: dict[str, list[Any]]) -> bytes:
+    """A batch (one call of a batched reward) as the message sent to a worker."""
+    return json.dumps({"index": index, "prompts": prompts, "completions": completions,
+                       "fields": fields}).encode()
+
+
 def score_one(fn: Any, prompt: str, completion: str, fields: dict[str, Any]) -> tuple[str, Any]:
     """(outcome, reward or error message) of one reward call, exceptions included."""
     try:
         value = fn(prompt, completion, **fields)
     except Exception as e:  # a user reward may raise anything; it becomes a counted outcome
         return "error", describe(e)
+    return judge(value)
+
+
+def judge(value: Any) -> tuple[str, Any]:
+    """(outcome, reward or message) of one value a reward returned: a finite real number is
+    `ok` (as a float), None is `unscorable`, anything else an `error`."""
     if value is None:
         return "unscorable", None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value)):
         return "error", (
             f"reward returned {value!r} ({type(value).__name__}); a reward returns a finite "
             "float, or None when the completion cannot be scored"
         )
     return "ok", float(value)
+
+
+def score_batch(fn: Any, prompts: list[str], completions: list[str],
+                fields: dict[str, list[Any]]) -> tuple[str, Any] | list[tuple[str, Any]]:
+    """One call of a batched reward `fn(prompts, completions, **fields) -> sequence of
+    float | None`: one (outcome, value) per completion, or a single (outcome, message) for the
+    whole batch when the call raised or returned something that is not one value per
+    completion."""
+    try:
+        values = fn(prompts, completions, **fields)
+    except Exception as e:  # as in score_one: counted, for every completion of the batch
+        return "error", describe(e)
+    if isinstance(values, str | bytes | dict) or not hasattr(values, "__len__"):
+        return "error", (f"batched reward returned {type(values).__name__}; it returns a list "
+                         f"of {len(completions)} float | None, one per completion")
+    values = list(values)
+    if len(values) != len(completions):
+        return "error", (f"batched reward returned {len(values)} values for "
+                         f"{len(completions)} completions; it returns one per completion")
+    return [judge(v.item() if hasattr(v, "item") else v) for v in values]
 
 
 def serve(inbox: Connection, outbox: Connection) -> None:
@@ -85,8 +130,14 @@ def serve(inbox: Connection, outbox: Connection) -> None:
             return
         if job is None:
             return
-        outcome, value = score_one(fn, job["prompt"], job["completion"], job["fields"])
-        send(outbox, {"index": job["index"], "outcome": outcome, "value": value})
+        if "prompts" in job:
+            scored = score_batch(fn, job["prompts"], job["completions"], job["fields"])
+            if isinstance(scored, list):
+                send(outbox, {"index": job["index"], "results": scored})
+                continue
+        else:
+            scored = score_one(fn, job["prompt"], job["completion"], job["fields"])
+        send(outbox, {"index": job["index"], "outcome": scored[0], "value": scored[1]})
 
 
 def serve_fds(read_fd: int, write_fd: int) -> None:

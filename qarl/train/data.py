@@ -119,7 +119,8 @@ def build_data(config: RunConfig, tokenizer: Tokenizer, run_dir: Path) -> Data:
     reward_spec = config.task.reward or task.reward_spec
     try:
         rewards = RewardRunner(reward_spec, num_workers=config.task.reward_workers,
-                               timeout_s=config.task.reward_timeout_s)
+                               timeout_s=config.task.reward_timeout_s,
+                               batched=config.task.reward_batch)
     except RuntimeError as err:  # a worker that cannot load the reward, or does not start
         raise UserError(f"task.reward: {err}") from None
     eval_examples = task.examples("eval", config.eval.size, config.run.seed)

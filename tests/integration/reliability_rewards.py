@@ -5,6 +5,9 @@ not exist yet, the first call creates it and sleeps 60 s (a run stuck in its rew
 `misbehaving`: by the gold answer mod 5: 0 sleeps past any deadline, 1 raises, 2 kills its
 worker (os._exit), 3 returns a string, 4 scores like `slow`.
 `unscorable`: always None.
+`batched`: a batched reward (task.reward_batch) that scores like `slow`, except that its
+second call (the first training step's, after the evaluation before step 1) raises and its
+third sleeps past any deadline; calls are counted in $QARL_TEST_BATCH_CALLS, a folder.
 """
 
 import os
@@ -39,3 +42,14 @@ def misbehaving(prompt, completion, answer=None, **fields):
 
 def unscorable(prompt, completion, **fields):
     return None
+
+
+def batched(prompts, completions, answer, **fields):
+    calls = Path(os.environ["QARL_TEST_BATCH_CALLS"])
+    number = len(list(calls.iterdir())) + 1
+    (calls / str(number)).touch()
+    if number == 2:
+        raise ValueError("a planted batch failure")
+    if number == 3:
+        time.sleep(60)
+    return [addition_reward(p, c, a) for p, c, a in zip(prompts, completions, answer)]

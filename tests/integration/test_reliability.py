@@ -269,3 +269,27 @@ def test_rewards_that_hang_raise_exit_or_return_junk_are_counted(tmp_path):
                "reliability_rewards.py" in m for m in messages)
     assert any("no answer within 0.5 s" in m for m in messages)
     assert any("reward worker died (exit code 3)" in m for m in messages)
+
+
+def test_a_batched_reward_that_raises_or_hangs_is_counted_per_sample(tmp_path, monkeypatch):
+    """task.reward_batch: the batch call that raises makes every sample of its step an error,
+    the one that hangs every sample a timeout (its worker replaced once), with the message
+    kept once; the other steps score every sample, and the run finishes."""
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    monkeypatch.setenv("QARL_TEST_BATCH_CALLS", str(calls))
+    config = load_config("tiny", _in_process(tmp_path, **{
+        "task.reward": "reliability_rewards:batched", "task.reward_batch": True,
+        "task.reward_timeout_s": 1.0, "train.steps": 3, "eval.size": 4}))
+    train(config)
+    rows = [r for r in read_metrics(tmp_path / "tiny" / "metrics.jsonl") if r["kind"] == "train"]
+    outcomes = [{k: r[f"reward/{k}"] for k in ("ok", "error", "timeout", "workers_replaced")}
+                for r in rows]
+    assert outcomes == [{"ok": 0.0, "error": 1.0, "timeout": 0.0, "workers_replaced": 0.0},
+                        {"ok": 0.0, "error": 0.0, "timeout": 1.0, "workers_replaced": 1.0},
+                        {"ok": 1.0, "error": 0.0, "timeout": 0.0, "workers_replaced": 0.0}]
+    assert len(list(calls.iterdir())) == 5  # evaluation, 3 steps, evaluation: one call each
+    errors = (tmp_path / "tiny" / "reward_errors.txt").read_text().splitlines()
+    assert len(errors) == 2
+    assert "ValueError: a planted batch failure" in errors[0]
+    assert "no answer within 1.0 s" in errors[1]

@@ -202,3 +202,65 @@ def test_a_worker_whose_trainer_was_killed_ends_quietly(user_module, tmp_path):
     trainer.wait()
     assert trainer.returncode == -9
     assert err == "" and time.monotonic() - start < 20, err
+
+
+
+BATCHED_REWARDS = '''
+import os, time
+
+def batched(prompts, completions, weight=None, mode=None, **fields):
+    assert isinstance(prompts, list) and isinstance(completions, list)
+    if mode is not None and mode[0] == "raise":
+        raise RuntimeError("planted batch failure")
+    if mode is not None and mode[0] == "hang":
+        time.sleep(60)
+    if mode is not None and mode[0] == "short":
+        return [1.0]
+    if mode is not None and mode[0] == "die":
+        os._exit(4)
+    weight = weight or [None] * len(completions)
+    return [None if c == "none" else "bad" if c == "bad" else len(c) * (w or 1.0)
+            for c, w in zip(completions, weight)]
+'''
+
+
+@pytest.fixture
+def batched_reward(tmp_path, monkeypatch):
+    (tmp_path / "qarl_test_batched_rewards.py").write_text(BATCHED_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "qarl_test_batched_rewards:batched"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batched_reward_gets_lists_and_judges_each_value(batched_reward, workers):
+    """A batched reward is called once with every prompt, completion and field as lists
+    (None where a call lacks the field); each returned value gets its own outcome; a call
+    whose fields are not JSON is an error without spoiling the batch."""
+    calls = [("p", "abc", {"weight": 2.0}), ("p", "none", {}), ("p", "bad", {"weight": 1.0}),
+             ("p", "ab", {"weight": object()}), ("p", "abcd", {})]
+    with RewardRunner(batched_reward, num_workers=workers, timeout_s=5, batched=True) as runner:
+        result = runner.score(calls)
+    assert result.outcomes == ["ok", "unscorable", "error", "error", "ok"]
+    assert result.rewards == [6.0, None, None, None, 4.0]
+    assert "returned 'bad'" in result.errors[2] and "not JSON values" in result.errors[3]
+
+
+@pytest.mark.parametrize("mode, outcome, words, replaced", [
+    ("raise", "error", "RuntimeError: planted batch failure", 0),
+    ("hang", "timeout", "no answer within 0.5 s", 1),
+    ("short", "error", "returned 1 values for 3 completions", 0),
+    ("die", "error", "worker died (exit code 4)", 1),
+])
+def test_a_failed_batch_fails_every_call_and_the_runner_survives(batched_reward, mode, outcome,
+                                                                  words, replaced):
+    """A batch call that raises, hangs past the deadline, returns the wrong number of values
+    or kills its worker gives every call of the batch that outcome and message (counted per
+    call, reward None); the worker is replaced where it was killed or died, and the runner
+    scores the next batch."""
+    with RewardRunner(batched_reward, num_workers=1, timeout_s=0.5, batched=True) as runner:
+        result = runner.score([("p", "abc", {"mode": mode})] * 3)
+        assert result.outcomes == [outcome] * 3 and result.rewards == [None] * 3
+        assert result.counts[outcome] == 3 and result.workers_replaced == replaced
+        assert all(words in result.errors[i] for i in range(3))
+        again = runner.score([("p", "ab", {"mode": "ok"})] * 2)
+        assert again.outcomes == ["ok"] * 2 and again.rewards == [2.0] * 2

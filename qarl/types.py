@@ -7,7 +7,7 @@ start at column 0), so prompt + response concatenated is one contiguous sequence
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -20,18 +20,21 @@ FINISH_LENGTH = "length"  # hit max_new_tokens (or the context limit) first
 class SamplingParams:
     """How the engine turns logits into tokens.
 
-    The sampler draws from softmax(logits / temperature) restricted to the top_k tokens and
-    then to the smallest nucleus of mass >= top_p, renormalized. `rollout_logp` reports the
-    log-probability of the drawn token under exactly that distribution. With the RL defaults
-    (top_k=0, top_p=1.0) this equals log_softmax(logits / temperature), which is what the
-    learner recomputes; truncation makes the two differ by design.
+    The sampler draws from softmax(logits / temperature) restricted to the top_k tokens, then
+    to the smallest nucleus of mass >= top_p, then to the tokens of probability >= min_p times
+    the most likely one's, renormalized. `rollout_logp` reports the log-probability of the
+    drawn token under exactly that distribution. With the RL defaults (top_k=0, top_p=1.0,
+    min_p=0.0) this equals log_softmax(logits / temperature). A truncating sampler records the
+    tokens it kept at each position (`RolloutBatch.kept_ids`), and the learner scores the
+    response under the same truncated, renormalized distribution (docs/learner.md).
     """
 
     max_new_tokens: int = 64
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k truncation
-    greedy: bool = False  # argmax decoding; temperature/top_p/top_k are then ignored
+    min_p: float = 0.0  # keep tokens with p >= min_p * max p; 0 = off
+    greedy: bool = False  # argmax decoding; temperature/top_p/top_k/min_p are then ignored
     stop_token_ids: tuple[int, ...] = ()  # in addition to the tokenizer's EOS ids
 
     def __post_init__(self) -> None:
@@ -47,8 +50,20 @@ class SamplingParams:
             problems.append(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             problems.append(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 <= self.min_p < 1.0:
+            problems.append(f"min_p must be in [0, 1), got {self.min_p}")
         if problems:
             raise ValueError("invalid SamplingParams: " + "; ".join(problems))
+
+    @property
+    def truncates(self) -> bool:
+        """Whether the sampler draws from fewer tokens than the whole vocabulary."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+    def untruncated(self) -> "SamplingParams":
+        """The same settings over the whole vocabulary (the learner's view of a truncating
+        sampler under rollout.truncation_correction = false)."""
+        return replace(self, top_k=0, top_p=1.0, min_p=0.0)
 
 
 @dataclass
@@ -65,6 +80,12 @@ class RolloutBatch:
     # ([N, P + L, moe_layers, k] int16 over prompt + response columns; -1 where the token's
     # output is never used: padding, a row's last token). None for a dense model.
     routed_experts: Tensor | None = None
+    # A truncating sampler (SamplingParams.truncates): the tokens it kept at each position,
+    # compactly. kept_counts [N, L] int32 is how many (0 on padding); kept_ids [K] int32 are
+    # the ids, position by position in row-major order (row 0's positions, then row 1's),
+    # ascending within a position; K = kept_counts.sum(). None when nothing was truncated.
+    kept_counts: Tensor | None = None
+    kept_ids: Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -91,11 +112,22 @@ class RolloutBatch:
             prompt_ids=move(self.prompt_ids), prompt_mask=move(self.prompt_mask),
             response_ids=move(self.response_ids), response_mask=move(self.response_mask),
             rollout_logp=move(self.rollout_logp), finish_reasons=list(self.finish_reasons),
-            routed_experts=move(self.routed_experts))
+            routed_experts=move(self.routed_experts), kept_counts=move(self.kept_counts),
+            kept_ids=move(self.kept_ids))
 
     def select(self, index: Tensor) -> "RolloutBatch":
         """Rows `index` ([K] int64) of the batch, in that order."""
         rows = index.tolist()
+        counts, ids = None, None
+        if self.kept_counts is not None:
+            counts = self.kept_counts[index]
+            per_row = self.kept_counts.sum(dim=1, dtype=torch.long)  # [N]
+            starts = torch.cumsum(per_row, 0) - per_row  # [N] each row's first id
+            sizes = per_row[index]  # [K]
+            # the ids of row index[k] are kept_ids[starts[index[k]] : + sizes[k]]
+            first = torch.repeat_interleave(starts[index] - (torch.cumsum(sizes, 0) - sizes),
+                                            sizes)
+            ids = self.kept_ids[first + torch.arange(int(sizes.sum()), device=first.device)]
         return RolloutBatch(
             prompt_ids=self.prompt_ids[index],
             prompt_mask=self.prompt_mask[index],
@@ -104,19 +136,58 @@ class RolloutBatch:
             rollout_logp=self.rollout_logp[index],
             finish_reasons=[self.finish_reasons[i] for i in rows],
             routed_experts=None if self.routed_experts is None else self.routed_experts[index],
+            kept_counts=counts, kept_ids=ids,
         )
+
+    def without_kept(self) -> "RolloutBatch":
+        """The batch without its kept sets (the learner then scores the whole vocabulary)."""
+        return replace(self, kept_counts=None, kept_ids=None)
+
+    def kept_mask(self, rows: Tensor, column: int, vocab: int) -> Tensor:
+        """[B, vocab] bool: True on the tokens the sampler kept at response column `column` of
+        rows `rows` ([B] int64). A position with no record (padding) keeps every token."""
+        counts = self.kept_counts.long()  # [N, L]
+        starts = (torch.cumsum(counts.flatten(), 0) - counts.flatten()).view(counts.shape)
+        return kept_rows_mask(self.kept_ids, starts[rows, column], counts[rows, column], vocab)
+
+    def kept_token_mask(self, vocab: int) -> Tensor:
+        """[T, vocab] bool for the T real response tokens in row-major order (the order of
+        `response_ids[response_mask]`): True on the tokens kept at each."""
+        counts = self.kept_counts.long()[self.response_mask]  # [T]
+        starts = torch.cumsum(counts, 0) - counts
+        return kept_rows_mask(self.kept_ids, starts, counts, vocab)
+
+
+def kept_rows_mask(ids: Tensor, starts: Tensor, counts: Tensor, vocab: int) -> Tensor:
+    """[B, vocab] bool from B segments of `ids` (segment b: ids[starts[b] : + counts[b]]);
+    a segment of length 0 keeps every token."""
+    B = starts.numel()
+    mask = torch.zeros(B, vocab, dtype=torch.bool, device=ids.device)
+    total = int(counts.sum())
+    if total:
+        owner = torch.repeat_interleave(torch.arange(B, device=ids.device), counts)  # [total]
+        offset = torch.arange(total, device=ids.device) - torch.repeat_interleave(
+            torch.cumsum(counts, 0) - counts, counts)
+        mask[owner, ids[starts[owner] + offset].long()] = True
+    return mask | (counts == 0)[:, None]
 
 
 def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
     """The rows of `batches` in order, as one batch: prompts left-padded and responses
     right-padded (with `pad_id`, mask False, logprob 0) to the widest of them; MoE
-    `routed_experts` padded alike with -1 (all batches have them, or none)."""
+    `routed_experts` padded alike with -1, kept sets with empty positions (all batches have
+    them, or none)."""
     P = max(b.prompt_ids.shape[1] for b in batches)
     L = max(b.response_ids.shape[1] for b in batches)
     routed = [b.routed_experts for b in batches]
     if any(r is None for r in routed) != all(r is None for r in routed):
         raise ValueError("concat_batches: some batches have routed_experts and some do not; "
                          "every engine of a MoE model records its experts")
+    recorded = [b.kept_counts is not None for b in batches]
+    if any(recorded) != all(recorded):
+        raise ValueError("concat_batches: some batches have kept sets and some do not; every "
+                         "engine of a truncating sampler records them")
+    kept = True if all(recorded) else None
 
     def pad(x, width, value, left):
         extra = width - x.shape[1]
@@ -137,4 +208,7 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         rollout_logp=torch.cat([pad(b.rollout_logp, L, 0.0, False) for b in batches]),
         finish_reasons=[r for b in batches for r in b.finish_reasons],
         routed_experts=None if routed[0] is None else torch.cat([pad_routed(b) for b in batches]),
+        kept_counts=None if kept is None else torch.cat(
+            [pad(b.kept_counts, L, 0, False) for b in batches]),
+        kept_ids=None if kept is None else torch.cat([b.kept_ids for b in batches]),
     )

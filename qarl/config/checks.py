@@ -39,12 +39,7 @@ from qarl.config.train_checks import (
     masters_can_learn,
 )
 from qarl.config.resources import RESOURCE_CHECKS
-from qarl.config.task_checks import (
-    batched_reward_named,
-    chat_template_reads,
-    one_task_source,
-    reward_exists,
-)
+from qarl.config.task_checks import chat_template_reads, one_task_source, reward_exists
 from qarl.model import SUPPORTED_ARCHITECTURES, ZOO
 from qarl.model.config import MOE_FAMILIES
 from qarl.quant import SCHEMES, scheme_options
@@ -231,6 +226,19 @@ def engine_fits(model, rollout, quant) -> list[Problem]:
     return problems + [Problem(path, message) for path, message in kind.problems(rollout, quant)]
 
 
+def truncation_is_recorded(rollout) -> list[Problem]:
+    """Truncated sampling (top_p < 1, top_k > 0 or min_p > 0) with the correction on needs the
+    sampler's kept sets, which only qarl's own engine records."""
+    truncates = rollout.top_p < 1.0 or rollout.top_k > 0 or rollout.min_p > 0.0
+    if not truncates or not rollout.truncation_correction or rollout.engine == "local":
+        return []
+    return [Problem("rollout.truncation_correction", f"true with truncated sampling on "
+                    f"rollout.engine = {rollout.engine!r}, which does not report the tokens it "
+                    "kept; use rollout.engine = 'local', sample without truncation (top_p = 1, "
+                    "top_k = 0, min_p = 0), or set rollout.truncation_correction = false to "
+                    "train on the biased ratio")]
+
+
 def fsdp_is_dense(model, dist) -> list[Problem]:
     """dist.learner_strategy = 'fsdp' takes dense models: an expert no token of a rank's
     micro-batches reaches has no gradient there, and FSDP's reduce-scatter needs every rank to
@@ -312,7 +320,6 @@ CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
     (("task",), one_task_source),
     (("task",), reward_exists),
     (("task",), chat_template_reads),
-    (("task",), batched_reward_named),
     (("algo",), loss_exists),
     (("algo",), correction_exists),
     (("algo", "rollout"), overlong_fits),
@@ -323,6 +330,7 @@ CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
     (("train", "dist"), device_exists),
     (("model", "task", "rollout", "eval"), context_fits),
     (("model", "rollout", "quant"), engine_fits),
+    (("rollout",), truncation_is_recorded),
     (("log",), tensorboard_available),
     (("dist", "rollout", "train"), dist_is_possible),
     (("model", "dist"), fsdp_is_dense),

@@ -151,6 +151,9 @@ def _resolve(sections: dict[str, BaseModel], stem: str) -> None:
             size=eval_.size if eval_.size is not None else task.eval_size,
             temperature=eval_.temperature or rollout.temperature,
             max_new_tokens=eval_.max_new_tokens or rollout.max_new_tokens,
+            top_p=eval_.top_p if eval_.top_p is not None else rollout.top_p,
+            top_k=eval_.top_k if eval_.top_k is not None else rollout.top_k,
+            min_p=eval_.min_p if eval_.min_p is not None else rollout.min_p,
         )
 
 

@@ -32,13 +32,22 @@ class RolloutSection(BaseModel):
         1.0, gt=0, description="Sampling temperature; the learner scores tokens at the same one."
     )
     top_p: float = Field(
-        1.0,
-        gt=0,
-        le=1,
-        description="Nucleus sampling mass. Below 1 the sampler's distribution is truncated and "
-        "differs from the learner's by design (mismatch that alignment cannot remove).",
-    )
-    top_k: int = Field(0, ge=0, description="Top-k truncation; 0 = off. Same caveat as top_p.")
+        1.0, gt=0, le=1,
+        description="Nucleus sampling: keep the most likely tokens up to this mass; 1 = off. "
+        "With any truncation (top_p, top_k, min_p) the sampler records what it kept at each "
+        "position and the learner scores under the same truncated distribution "
+        "(rollout.truncation_correction).")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.")
+    min_p: float = Field(
+        0.0, ge=0, lt=1, description="Keep the tokens at least min_p times as likely as the "
+        "most likely one; 0 = off. Applied after top_k and top_p.")
+    truncation_correction: bool = Field(
+        True, description="With truncated sampling, the learner's logprobs (replay, audit and "
+        "gradient) are taken over the tokens the sampler kept, renormalized, so the policy "
+        "trained is the one sampled (docs/learner.md#truncated-sampling). false: over the whole "
+        "vocabulary, the biased ratio of learners that ignore truncation (its mean is the kept "
+        "probability mass); for comparison only. qarl's own engine records kept sets; with "
+        "rollout.engine = 'vllm' set it to false or do not truncate.")
     engine: Literal[tuple(ENGINES)] = Field("local", description="Rollout engine: 'local' "
         "(qarl's own) or 'vllm' (vLLM in this process, fed qarl's codes in compressed-tensors "
         "layout after every step; needs quant.align 'fake' or 'naive' and `pip install "
@@ -69,6 +78,12 @@ class EvalSection(BaseModel):
     max_new_tokens: int | None = Field(
         None, ge=1, description="Longest response. Default: rollout.max_new_tokens."
     )
+    top_p: float | None = Field(
+        None, gt=0, le=1, description="Nucleus mass when greedy = false. Default: rollout.top_p.")
+    top_k: int | None = Field(
+        None, ge=0, description="Top-k when greedy = false. Default: rollout.top_k.")
+    min_p: float | None = Field(
+        None, ge=0, lt=1, description="Min-p when greedy = false. Default: rollout.min_p.")
     full_precision: bool = Field(
         True,
         description="Also evaluate the unquantized master weights (the gap shows what "

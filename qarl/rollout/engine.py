@@ -33,7 +33,7 @@ from qarl.quant import load_state, quant_layers
 from qarl.quant.digests import engine_digests
 from qarl.rollout.plan import DecodePlan, DecodePlanner
 from qarl.rollout.routing import RoutingTable
-from qarl.rollout.sampling import row_uniforms, sample, sampler_logprobs
+from qarl.rollout.sampling import kept_logprobs, row_uniforms, sample, sampler_logprobs
 from qarl.types import FINISH_LENGTH, FINISH_STOP, RolloutBatch, SamplingParams
 
 # Compact the batch once the rows still decoding are at most this fraction of the cache rows.
@@ -168,13 +168,15 @@ class LocalEngine:
         budget = self._response_budget(ids.shape[1], sampling.max_new_tokens)
         uniforms = None if sampling.greedy else row_uniforms(seed, row_offset, len(ids), budget)
         routing = RoutingTable(self.model, len(prompt_ids), ids.shape[1] + budget)
+        kept = KeptSets(len(prompt_ids), budget) if sampling.truncates else None
         with torch.inference_mode():
             plan = self._planner.plan(self.model, batch_hint=len(prompt_ids))
             response, logp, mask, stopped = self._decode(
-                plan, ids, prompt_mask, budget, sampling, uniforms, routing
+                plan, ids, prompt_mask, budget, sampling, uniforms, routing, kept=kept
             )
         length = int(mask.sum(dim=1).max())  # the longest response sets L
         routed = routing.table
+        counts, kept_ids = (None, None) if kept is None else kept.compact(length)
         return RolloutBatch(
             prompt_ids=ids,
             prompt_mask=prompt_mask,
@@ -183,6 +185,7 @@ class LocalEngine:
             rollout_logp=logp[:, :length].clone(),
             finish_reasons=[FINISH_STOP if s else FINISH_LENGTH for s in stopped.tolist()],
             routed_experts=None if routed is None else routed[:, : ids.shape[1] + length].clone(),
+            kept_counts=counts, kept_ids=kept_ids,
         )
 
     def score(self, batch: RolloutBatch, sampling: SamplingParams) -> Tensor:
@@ -192,7 +195,9 @@ class LocalEngine:
 
         This is the engine-path teacher forcing the aligned learner uses for old_logp: with
         the same weights and the same batch it reproduces `batch.rollout_logp` bit for bit
-        (a full-sequence forward differs from the decode path in the last bits).
+        (a full-sequence forward differs from the decode path in the last bits). A batch with
+        kept sets (a truncating sampler's) is scored under them (`kept_logprobs`), not under
+        a truncation of this model's own logits.
         """
         return self.score_routing(batch, sampling)[0]
 
@@ -213,6 +218,7 @@ class LocalEngine:
             _, logp, mask, _ = self._decode(
                 plan, batch.prompt_ids, batch.prompt_mask, L, sampling, None, routing,
                 forced=batch.response_ids,
+                recorded=batch if batch.kept_counts is not None and sampling.truncates else None,
             )
         if not torch.equal(mask, batch.response_mask):
             raise ValueError(
@@ -223,11 +229,13 @@ class LocalEngine:
         return logp, routing.table
 
     def _decode(self, plan, ids, prompt_mask, budget, sampling, uniforms,
-                routing: RoutingTable, forced=None):
+                routing: RoutingTable, forced=None, kept: "KeptSets | None" = None,
+                recorded: RolloutBatch | None = None):
         """The generation loop on `plan`. ids, prompt_mask: [N, P]; uniforms: [N, budget]
         float64 (None when greedy or scoring); forced: [N, budget] int64 tokens to feed
         instead of sampling (scoring), or None; every forward recorded in (and replayed from)
-        `routing`. Returns response [N, budget] int64, logp [N, budget] float32,
+        `routing`; kept: where a truncating sampler's kept sets go; recorded: a batch whose
+        kept sets score the forced tokens. Returns response [N, budget] int64, logp [N, budget] float32,
         mask [N, budget] bool, stopped [N] bool."""
         N, P = ids.shape
         device = ids.device
@@ -253,7 +261,13 @@ class LocalEngine:
             self.stop_check()
             if forced is None:
                 u = None if uniforms is None else uniforms[rows.cpu(), t]  # [B] float64
-                tokens, token_logp = sample(logits, sampling, u)  # [B] each
+                tokens, token_logp, kept_now = sample(logits, sampling, u)  # [B] each
+                if kept is not None:
+                    kept.add(rows[live], t, kept_now[live])
+            elif recorded is not None:
+                tokens = forced[rows, t]  # [B]
+                token_logp = kept_logprobs(logits, tokens, sampling.temperature,
+                                           recorded.kept_mask(rows, t, logits.shape[-1]))
             else:
                 tokens = forced[rows, t]  # [B]
                 token_logp = sampler_logprobs(logits, tokens, sampling)  # [B]
@@ -307,6 +321,33 @@ class LocalEngine:
 
     def _response_budget(self, prompt_len: int, max_new_tokens: int) -> int:
         return response_budget(self.max_context, prompt_len, max_new_tokens)
+
+
+class KeptSets:
+    """The tokens a truncating sampler kept, gathered step by step during `generate` and
+    compacted into `RolloutBatch.kept_counts` / `kept_ids` (row-major, ids ascending).
+    Per step only the kept ids are held, never a [N, L, V] mask (benchmarks/truncation.py
+    measures the cost)."""
+
+    def __init__(self, rows: int, budget: int):
+        self.rows, self.budget = rows, budget
+        self.keys: list[Tensor] = []  # per step: [k] int64 row * budget + t of each kept id
+        self.ids: list[Tensor] = []  # per step: [k] int32 the kept ids
+
+    def add(self, rows: Tensor, t: int, kept: Tensor) -> None:
+        """rows: [B] original rows still decoding; kept: [B, V] bool, their kept sets at t."""
+        which, token = kept.nonzero(as_tuple=True)  # row-major: ascending ids per row
+        self.keys.append(rows[which] * self.budget + t)
+        self.ids.append(token.to(torch.int32))
+
+    def compact(self, length: int) -> tuple[Tensor, Tensor]:
+        """(kept_counts [N, length] int32, kept_ids [K] int32)."""
+        keys = torch.cat(self.keys) if self.keys else torch.zeros(0, dtype=torch.long)
+        ids = torch.cat(self.ids) if self.ids else torch.zeros(0, dtype=torch.int32)
+        order = torch.argsort(keys, stable=True)  # (row, t) order; each step's ids stay sorted
+        counts = torch.bincount(keys, minlength=self.rows * self.budget).view(
+            self.rows, self.budget)[:, :length]
+        return counts.to(torch.int32).contiguous(), ids[order].contiguous()
 
 
 def left_pad(prompt_ids: list[list[int]], vocab: int, pad_token_id: int,

@@ -1,13 +1,17 @@
 """Logits -> tokens and their log-probabilities: the one place the sampler's math lives.
 
 `token_logprobs` is the function the learner calls to recompute logprobs, and the engine calls
-the very same function on the logits it sampled from, so with the RL defaults (top_k=0,
-top_p=1.0) learner and sampler logprobs agree bit for bit whenever their logits do.
+the very same function on the logits it sampled from, so learner and sampler logprobs agree
+bit for bit whenever their logits do.
 
 What `sample` reports as the sampler logprob of each drawn token:
-- sampling (temperature T, optional top-k then top-p): the log-probability under exactly the
-  distribution that was drawn from, softmax(logits / T) restricted to the kept tokens and
-  renormalized. Without truncation this is `token_logprobs(logits, tokens, T)`.
+- sampling (temperature T, optional top-k, then top-p, then min-p): the log-probability under
+  exactly the distribution that was drawn from, softmax(logits / T) restricted to the kept
+  tokens and renormalized. Without truncation this is `token_logprobs(logits, tokens, T)`.
+  With truncation `sample` also returns which tokens it kept ([B, V] bool), which the engine
+  records in the batch; `kept_logprobs` scores tokens under a recorded kept set: the
+  sampler's own value, bit for bit, for the logits the sampler had, and the learner's view of
+  the same truncated distribution for its own logits (docs/learner.md).
 - greedy: `token_logprobs(logits, tokens, 1.0)`, the log-softmax of the raw logits (the
   argmax "distribution" would give 0 everywhere, which says nothing about the policy).
 Everything is computed in float32 whatever the model dtype (bf16 logits are upcast first).
@@ -18,6 +22,8 @@ over engines (`qarl.parallel.RayEngines`) samples exactly the tokens of one engi
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -43,14 +49,16 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> 
     return picked - torch.logsumexp(scaled, dim=-1)
 
 
-def truncate_logits(scaled: Tensor, top_k: int, top_p: float) -> Tensor:
-    """Set logits outside the top-k, then outside the top-p nucleus, to -inf.
+def truncate_logits(scaled: Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> Tensor:
+    """Set logits outside the top-k, then outside the top-p nucleus, then below min-p, to -inf.
 
     scaled: [B, V] float32 (already divided by the temperature) -> [B, V] float32.
     top_k keeps every token whose logit is >= the k-th largest (ties at the k-th value are
     all kept). top_p keeps the smallest prefix of the sorted distribution whose mass reaches
     top_p: token i is kept when the mass of the tokens ranked before it is < top_p, so the
-    most likely token is always kept.
+    most likely token is always kept. min_p keeps the tokens whose probability is at least
+    min_p times the most likely token's: p_i >= min_p p_max, i.e. z_i >= z_max + log(min_p)
+    (a ratio of probabilities, the same before and after renormalizing).
     """
     if 0 < top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]  # [B, 1]
@@ -62,7 +70,27 @@ def truncate_logits(scaled: Tensor, top_k: int, top_p: float) -> Tensor:
         drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # [B, V] bool, in rank order
         drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)  # vocab order
         scaled = scaled.masked_fill(drop, float("-inf"))
+    if min_p > 0.0:
+        # p_i >= min_p * p_max  <=>  z_i - z_max >= log(min_p)
+        floor = scaled.amax(dim=-1, keepdim=True) + math.log(min_p)  # [B, 1]
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     return scaled
+
+
+def truncated(logits: Tensor, sampling: SamplingParams) -> Tensor:
+    """softmax's input of the truncating sampler: logits / T with every token it does not keep
+    at -inf ([B, V] float32)."""
+    return truncate_logits(logits.float() / sampling.temperature, sampling.top_k,
+                           sampling.top_p, sampling.min_p)
+
+
+def kept_logprobs(logits: Tensor, tokens: Tensor, temperature: float, kept: Tensor) -> Tensor:
+    """Log-probability of `tokens` under softmax(logits / T) restricted to `kept` ([B, V] bool,
+    a recorded kept set) and renormalized: [B] float32. For the logits the sampler had and the
+    set it kept, the very tensor `sample` took its logprob from (the same division, the same
+    -inf), hence the same bits. Gradients reach the kept tokens' logits only."""
+    scaled = (logits.float() / temperature).masked_fill(~kept, float("-inf"))
+    return token_logprobs(scaled, tokens, 1.0)
 
 
 def sampler_logprobs(logits: Tensor, tokens: Tensor, sampling: SamplingParams) -> Tensor:
@@ -71,9 +99,8 @@ def sampler_logprobs(logits: Tensor, tokens: Tensor, sampling: SamplingParams) -
     exactly this for the tokens it draws; `LocalEngine.score` calls it for forced tokens."""
     if sampling.greedy:
         return token_logprobs(logits, tokens, 1.0)
-    if sampling.top_k > 0 or sampling.top_p < 1.0:
-        scaled = truncate_logits(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p)
-        return token_logprobs(scaled, tokens, 1.0)
+    if sampling.truncates:
+        return token_logprobs(truncated(logits, sampling), tokens, 1.0)
     return token_logprobs(logits, tokens, sampling.temperature)
 
 
@@ -122,20 +149,22 @@ def row_uniforms(seed: int, first_row: int, num_rows: int, steps: int) -> Tensor
     return out
 
 
-def sample(logits: Tensor, sampling: SamplingParams, u: Tensor) -> tuple[Tensor, Tensor]:
+def sample(logits: Tensor, sampling: SamplingParams,
+           u: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
     """Draw one token per row and report its sampler logprob (see the module docstring).
 
     logits: [B, V] any float dtype; u: [B] float64, the rows' uniforms in [0, 1) (unused when
-    greedy) -> (tokens [B] int64, logp [B] float32). The uniforms are the only randomness.
+    greedy) -> (tokens [B] int64, logp [B] float32, kept [B, V] bool or None): kept is the set
+    drawn from when the sampler truncates (`SamplingParams.truncates`), else None. The
+    uniforms are the only randomness.
     """
     if sampling.greedy:
         tokens = logits.argmax(dim=-1)
-        return tokens, token_logprobs(logits, tokens, 1.0)
-    if sampling.top_k > 0 or sampling.top_p < 1.0:
-        scaled = truncate_logits(logits.float() / sampling.temperature, sampling.top_k,
-                                 sampling.top_p)  # [B, V] float32
+        return tokens, token_logprobs(logits, tokens, 1.0), None
+    if sampling.truncates:
+        scaled = truncated(logits, sampling)  # [B, V] float32
         tokens = inverse_cdf(scaled, u)
-        return tokens, token_logprobs(scaled, tokens, 1.0)
+        return tokens, token_logprobs(scaled, tokens, 1.0), scaled != float("-inf")
     tokens = inverse_cdf(logits, u, sampling.temperature)
     # The learner's exact computation: same function, same logits, same temperature.
-    return tokens, token_logprobs(logits, tokens, sampling.temperature)
+    return tokens, token_logprobs(logits, tokens, sampling.temperature), None

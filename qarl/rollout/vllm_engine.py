@@ -197,13 +197,13 @@ class VLLMEngine:
         """vLLM's logprobs of `batch.response_ids`, [N, L] float32, 0 on padding: prompt
         logprobs of prompt + response, one prefill per row (see the module docstring for where
         this differs from `generate`). Greedy, or temperature 1 without top-k / top-p only."""
-        if not sampling.greedy and (sampling.temperature != 1.0 or sampling.top_k > 0
-                                    or sampling.top_p < 1.0):
+        if not sampling.greedy and (sampling.temperature != 1.0 or sampling.truncates):
             raise ValueError(
                 f"VLLMEngine.score computes vLLM's prompt logprobs, the raw log-softmax, which "
                 f"is the sampler's distribution only for greedy decoding or temperature 1 "
                 f"without truncation; got temperature={sampling.temperature}, "
-                f"top_k={sampling.top_k}, top_p={sampling.top_p}. Score with a LocalEngine "
+                f"top_k={sampling.top_k}, top_p={sampling.top_p}, min_p={sampling.min_p}. "
+                f"Score with a LocalEngine "
                 f"around the same weights instead")
         self._check_mask(batch, sampling)
         from vllm import SamplingParams as VllmParams
@@ -333,8 +333,10 @@ class VLLMEngine:
                       ignore_eos=True, detokenize=False)
         if sampling.greedy:
             return VllmParams(temperature=0.0, **common)
+        # vLLM's top_k 0 and -1 both mean off; it returns no kept sets, so a run that
+        # truncates with it needs rollout.truncation_correction = false (config checks)
         return VllmParams(temperature=sampling.temperature, top_p=sampling.top_p,
-                          top_k=sampling.top_k, **common)
+                          top_k=sampling.top_k, min_p=sampling.min_p, **common)
 
     def _run(self, prompts: list[list[int]], params: list) -> list:
         from vllm.inputs import TokensPrompt

@@ -12,7 +12,7 @@ from qarl.errors import UserError
 from qarl.model.tokenizer import Tokenizer, read_chat_template
 from qarl.tasks import Example, RewardRunner, Task, make_task
 from qarl.train.reward_watch import RewardWatch
-from qarl.types import SamplingParams
+from qarl.types import RolloutBatch, SamplingParams
 
 
 class PromptEncoder:
@@ -84,7 +84,17 @@ def prompt_side(config: RunConfig, tokenizer: Tokenizer) -> tuple[Task, PromptEn
 def sampling_params(rollout: RolloutSection) -> SamplingParams:
     """Training samples: the recipe's [rollout] section."""
     return SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
-                          top_p=rollout.top_p, top_k=rollout.top_k)
+                          top_p=rollout.top_p, top_k=rollout.top_k, min_p=rollout.min_p)
+
+
+def learner_view(rollout: RolloutSection, sampling: SamplingParams,
+                 batch: RolloutBatch) -> tuple[SamplingParams, RolloutBatch]:
+    """What the learner scores a step's samples under: the sampler's truncated distribution
+    with its kept sets (the batch as generated), or, under rollout.truncation_correction =
+    false, the whole vocabulary (the sampler's settings untruncated, the kept sets dropped)."""
+    if sampling.truncates and not rollout.truncation_correction:
+        return sampling.untruncated(), batch.without_kept()
+    return sampling, batch
 
 
 @dataclass

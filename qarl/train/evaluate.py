@@ -50,6 +50,7 @@ def full_precision_copy(learner: CausalLM) -> CausalLM:
 
 def eval_sampling(eval_cfg: EvalSection) -> SamplingParams:
     return SamplingParams(max_new_tokens=eval_cfg.max_new_tokens, temperature=eval_cfg.temperature,
+                          top_p=eval_cfg.top_p, top_k=eval_cfg.top_k, min_p=eval_cfg.min_p,
                           greedy=eval_cfg.greedy)
 
 

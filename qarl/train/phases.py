@@ -46,7 +46,7 @@ class Experience:
     """One step's samples with everything the update needs (N = prompts x group_size rows)."""
 
     batch: RolloutBatch  # the engine's samples; rollout_logp [N, L] float32
-    sampling: SamplingParams  # what the engine sampled them with
+    sampling: SamplingParams  # what the learner scores them under (data.learner_view)
     old_logp: Tensor  # [N, L] float32, the learner's decode-path logprobs of the sampled tokens
     advantages: Tensor  # [N] float32
     rows: Tensor  # [N] bool, rows that take part in the update

@@ -27,6 +27,7 @@ from qarl.model import DTYPES, CausalLM, load_model, load_tokenizer
 from qarl.model.tokenizer import Tokenizer
 from qarl.quant import SCHEMES, quantize_model, release_masters
 from qarl.rollout import ENGINES, Engine, LocalEngine
+from qarl.train.data import sampling_params
 from qarl.train.budgets import RunContract
 from qarl.train.learner.audit import ReplayAudit
 from qarl.train.learner.learner import AlignedLearner, Learner
@@ -140,10 +141,13 @@ def make_replayer(config: RunConfig, model: CausalLM, tokenizer: Tokenizer,
 def replay_is_exact(config: RunConfig, moe: bool) -> bool:
     """The learner's replay equals the sampler's logprobs by construction (same kernels, same
     decode path): `kernel` alignment or full-precision rollouts, qarl's own engine, a dense
-    model (a MoE model's routing metrics need the learner's own experts on every row)."""
+    model (a MoE model's routing metrics need the learner's own experts on every row), and a
+    learner that scores the distribution sampled (not truncated sampling without
+    rollout.truncation_correction)."""
     identity = SCHEMES[config.quant.scheme].is_identity
+    biased = sampling_params(config.rollout).truncates and not config.rollout.truncation_correction
     return ((config.quant.align == "kernel" or identity) and config.rollout.engine == "local"
-            and not moe)
+            and not moe and not biased)
 
 
 def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | None = None,

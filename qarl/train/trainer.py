@@ -30,7 +30,7 @@ from qarl.train.guards import (
     out_of_memory_message,
 )
 from qarl.parallel.ranks import LearnerRankDied
-from qarl.train.data import Data, sampling_params
+from qarl.train.data import Data, learner_view, sampling_params
 from qarl.train.folder import open_run
 from qarl.train.learner.follow import learner_on_ranks
 from qarl.train.metrics import MetricsLogger
@@ -64,9 +64,11 @@ def rl_step(policy: Policy, data: Data, config: RunConfig, step: int) -> dict[st
         data.watch.observe(scored, f"step {step + 1}")  # RewardsFailed: a reward that never works
     advantages, rows, group_metrics = compute_advantages(scored.rewards, batch, config.algo, G)
     check_stop()
+    # the learner scores under the sampler's kept sets (or, correction off, the whole vocabulary)
+    scoring, batch = learner_view(config.rollout, sampling, batch)
     with timer("old_logp"):  # a replay, or an audit of one where it is exact (learner/audit.py)
-        old = policy.audit.old_logp(policy.learner, batch, sampling, seed, step)
-    exp = Experience(batch, sampling, old.logp, advantages, rows, old.routing,
+        old = policy.audit.old_logp(policy.learner, batch, scoring, seed, step)
+    exp = Experience(batch, scoring, old.logp, advantages, rows, old.routing,
                      old.replayed_rows, old.replayed_logp)
     samples = sample_metrics(data.task, exp, completions)
     budget = policy.contract.check_step(samples, step)  # OverBudget: stop before the update

@@ -250,3 +250,52 @@ def test_gradient_checkpointing_takes_the_same_step(tmp_path, align, compute):
             assert m_ckpt[key] == m_plain[key] or (m_plain[key] != m_plain[key]), key
     for name, moved in moved_plain.items():
         assert torch.equal(moved_ckpt[name], moved), name
+
+
+TRUNCATING = {"rollout.top_p": 0.7, "rollout.top_k": 6, "rollout.min_p": 0.02,
+              "rollout.temperature": 0.9}
+
+
+def _scored_batches(policy) -> list:
+    """Wraps the learner's replayer: the batches it scores are appended to the list returned."""
+    seen, replayer = [], policy.learner.passes.replayer
+    score = replayer.score_routing
+
+    def recording(batch, sampling, replay=False):
+        seen.append((batch, sampling))
+        return score(batch, sampling, replay=replay)
+
+    replayer.score_routing = recording
+    return seen
+
+
+@pytest.mark.parametrize("scheme", ["w8a8-int8", "w4a16-int4", "w8a8-fp8"])
+def test_truncated_sampling_replays_the_sampler_bit_for_bit_under_kernel(tmp_path, scheme):
+    """With top-k, top-p and min-p on, the step's batch carries the sampler's kept sets (fewer
+    than 6 tokens at every position), the learner's audit replays under them and matches the
+    sampler to the bit; every row replayed (audit_fraction 1) the mismatch is 0."""
+    config = _config(tmp_path, **{"quant.scheme": scheme, **TRUNCATING,
+                                  "train.audit_fraction": 1.0})
+    with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
+        seen = _scored_batches(policy)
+        metrics = rl_step(policy, data, config, step=STEP)
+    batch, sampling = seen[0]
+    assert sampling.truncates and batch.kept_counts is not None
+    counts = batch.kept_counts[batch.response_mask]
+    assert counts.min() >= 1 and counts.max() <= 6 and counts.float().mean() < 6
+    assert metrics["mismatch/abs_diff_max"] == 0.0
+    assert metrics["audit/full_replay"] == 0.0
+
+
+def test_without_the_correction_the_learner_scores_the_whole_vocabulary(tmp_path):
+    """rollout.truncation_correction = false: the learner gets no kept sets and untruncated
+    settings, its replay is not exact by construction (every row replayed), and the
+    mismatch is the log of the kept mass, so the learner's logprob is below the sampler's
+    at every token that had more than one candidate."""
+    config = _config(tmp_path, **TRUNCATING, **{"rollout.truncation_correction": False})
+    with open_run(config, learner=copy.deepcopy(warm_start(config))) as (_, policy, data):
+        seen = _scored_batches(policy)
+        metrics = rl_step(policy, data, config, step=STEP)
+    batch, sampling = seen[0]
+    assert not sampling.truncates and batch.kept_counts is None
+    assert metrics["audit/full_replay"] == 1.0 and metrics["mismatch/abs_diff_max"] > 0.0

@@ -30,6 +30,8 @@ path only by rounding: reduction order, a BLAS GEMM where a format's kernel is a
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
@@ -38,9 +40,9 @@ from qarl import native
 from qarl.model.cache import SharedPrefixCache
 from qarl.model.decoder import CausalLM, Packing, Routing, positions_from_mask
 from qarl.lora.layers import lora_names
-from qarl.rollout.sampling import token_logprobs
+from qarl.rollout.sampling import kept_logprobs, token_logprobs
 from qarl.train.learner.precision import Precision, lm_head_logits
-from qarl.types import RolloutBatch, SamplingParams
+from qarl.types import RolloutBatch, SamplingParams, kept_rows_mask
 
 
 class _NativeTokenLogp(torch.autograd.Function):
@@ -75,6 +77,20 @@ def _chunk_logprobs_and_entropy(lm_head, hidden: Tensor, tokens: Tensor, tempera
         logz = torch.log_softmax(logits.float() / temperature, dim=-1)  # [C, V]
         # H = -sum_v p_v log p_v
         entropy = -(logz.exp() * logz).sum(-1)
+    return logp, entropy
+
+
+def _chunk_kept_logprobs_and_entropy(lm_head, hidden: Tensor, tokens: Tensor,
+                                     temperature: float, kept: Tensor):
+    # hidden: [C, H], tokens: [C], kept: [C, V] bool -> logp [C], entropy [C] (no grad), both
+    # under softmax(logits / T) restricted to the sampler's kept set and renormalized
+    logits = lm_head_logits(lm_head, hidden)
+    logp = kept_logprobs(logits, tokens, temperature, kept)
+    with torch.no_grad():
+        logz = torch.log_softmax((logits.float() / temperature).masked_fill(~kept, -math.inf),
+                                 dim=-1)  # [C, V], -inf outside the kept set
+        p = logz.exp()
+        entropy = -(p * logz.masked_fill(~kept, 0.0)).sum(-1)
     return logp, entropy
 
 
@@ -132,22 +148,28 @@ def response_logprobs(
 
     Both are 0 on padding. Gradients reach every parameter through the chunked lm_head.
     routing_replay: MoE layers use the batch's `routed_experts` (the engine's choice).
+    A batch with kept sets (a truncating sampler's) is scored under the sampler's truncated,
+    renormalized distribution: the logits of tokens it did not keep take no part and get no
+    gradient (`qarl.rollout.sampling.kept_logprobs`).
     """
     routing = Routing(replay=batch.routed_experts) if routing_replay else None
     predicting = _predicting_hidden(model, batch, routing)  # [N, L, H]
     mask = batch.response_mask
     flat_hidden = predicting[mask]  # [T, H] response tokens only: padding costs nothing
     flat_tokens = batch.response_ids[mask]  # [T]
+    kept = _KeptChunks(batch) if batch.kept_counts is not None else None
     logps, entropies = [], []
     for start in range(0, flat_tokens.numel(), chunk_tokens):
         h = flat_hidden[start : start + chunk_tokens]
         y = flat_tokens[start : start + chunk_tokens]
+        step, args = _chunk_logprobs_and_entropy, (model.lm_head, h, y, temperature)
+        if kept is not None:
+            step = _chunk_kept_logprobs_and_entropy
+            args += (kept.mask(start, y.numel(), model.config.vocab_size),)
         if torch.is_grad_enabled() and h.requires_grad:
-            lp, ent = checkpoint(
-                _chunk_logprobs_and_entropy, model.lm_head, h, y, temperature, use_reentrant=False
-            )
+            lp, ent = checkpoint(step, *args, use_reentrant=False)
         else:
-            lp, ent = _chunk_logprobs_and_entropy(model.lm_head, h, y, temperature)
+            lp, ent = step(*args)
         logps.append(lp)
         entropies.append(ent)
     logp = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
@@ -156,6 +178,20 @@ def response_logprobs(
         logp = logp.masked_scatter(mask, torch.cat(logps))
         entropy = entropy.masked_scatter(mask, torch.cat(entropies).detach())
     return logp, entropy
+
+
+class _KeptChunks:
+    """The kept sets of a batch's real response tokens (row-major, as `response_ids[mask]`),
+    handed out a chunk at a time as [C, V] bool masks: never one mask for the whole batch."""
+
+    def __init__(self, batch: RolloutBatch):
+        self.ids = batch.kept_ids
+        self.counts = batch.kept_counts.long()[batch.response_mask]  # [T]
+        self.starts = torch.cumsum(self.counts, 0) - self.counts  # [T]
+
+    def mask(self, start: int, size: int, vocab: int) -> Tensor:
+        part = slice(start, start + size)
+        return kept_rows_mask(self.ids, self.starts[part], self.counts[part], vocab)
 
 
 class ForwardScorer:

@@ -47,9 +47,9 @@ def test_token_logprobs_leaves_input_untouched_and_upcasts_bf16():
 def test_top_k_one_is_greedy():
     """top_k=1 keeps only the argmax, so every draw equals greedy and has logprob 0."""
     logits = _logits(rows=32)
-    greedy, _ = sample(logits, SamplingParams(greedy=True), None)
+    greedy, _, _ = sample(logits, SamplingParams(greedy=True), None)
     for seed in range(5):
-        tokens, logp = sample(logits, SamplingParams(top_k=1), _u(32, seed))
+        tokens, logp, _ = sample(logits, SamplingParams(top_k=1), _u(32, seed))
         assert torch.equal(tokens, greedy)
         assert torch.equal(logp, torch.zeros(32))
 
@@ -67,7 +67,7 @@ def test_top_p_never_samples_outside_the_nucleus():
     logits = _logits(rows=4, scale=2.0).repeat(500, 1)  # [2000, 50]
     nucleus = _nucleus(logits, 0.6)
     assert nucleus.sum(-1).max() < 50  # the truncation is not vacuous
-    tokens, _ = sample(logits, SamplingParams(top_p=0.6), _u(2000, 1))
+    tokens, _, _ = sample(logits, SamplingParams(top_p=0.6), _u(2000, 1))
     assert nucleus.gather(-1, tokens[:, None]).all()
 
 
@@ -76,7 +76,7 @@ def test_truncated_logprob_is_renormalized_probability():
     a float64 reference (fp32 vs fp64 on values ~10: 1e-5)."""
     logits = _logits(rows=64, scale=2.0)
     sampling = SamplingParams(temperature=0.8, top_k=20, top_p=0.7)
-    tokens, logp = sample(logits, sampling, _u(64, 2))
+    tokens, logp, _ = sample(logits, sampling, _u(64, 2))
     scaled = logits.double() / 0.8
     kth = scaled.topk(20, dim=-1).values[:, -1:]
     kept = (scaled >= kth) & _nucleus(scaled.masked_fill(scaled < kth, float("-inf")), 0.7)
@@ -111,7 +111,7 @@ def test_sampling_frequencies_match_softmax(sampler_path):
     within 5 binomial standard deviations of its probability (a -inf token is never drawn)."""
     n = 40_000
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5]]).repeat(n, 1)
-    tokens, _ = sample(logits, SamplingParams(temperature=1.5), _u(n, 3))
+    tokens, _, _ = sample(logits, SamplingParams(temperature=1.5), _u(n, 3))
     probs = torch.softmax(logits[0] / 1.5, dim=-1).double()
     freq = torch.bincount(tokens, minlength=6).double() / n
     sigma = (probs * (1 - probs) / n).sqrt()
@@ -146,7 +146,7 @@ def test_inverse_cdf_edges_and_paths_agree(sampler_path):
 def test_greedy_logprob_is_raw_log_softmax():
     """Greedy picks the argmax and reports log_softmax of the raw logits (temperature 1)."""
     logits = _logits()
-    tokens, logp = sample(logits, SamplingParams(greedy=True, temperature=0.3), None)
+    tokens, logp, _ = sample(logits, SamplingParams(greedy=True, temperature=0.3), None)
     assert torch.equal(tokens, logits.argmax(-1))
     assert torch.equal(logp, token_logprobs(logits, tokens, 1.0))
 

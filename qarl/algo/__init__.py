@@ -1,4 +1,4 @@
-"""RL algorithms as pure torch functions: losses, rollout corrections, advantages.
+"""RL algorithms as pure torch functions: losses, rollout corrections, advantages, KL estimators.
 
 Imports only torch and `qarl.types`; no config reads, logging or I/O. See README.md here for
 the table of losses and corrections and the micro-batch contract.
@@ -15,6 +15,7 @@ from qarl.algo.corrections import (
     correction_params,
     validate_correction_params,
 )
+from qarl.algo.kl import KL_ESTIMATORS, kl_terms
 from qarl.algo.losses import LOSSES, global_counts, loss_params, validate_loss_params
 from qarl.algo.params import RUNTIME_KWARGS
 
@@ -24,6 +25,7 @@ __all__ = [
     "CORRECTIONS",
     "Correction",
     "GroupInfo",
+    "KL_ESTIMATORS",
     "LOSSES",
     "RUNTIME_KWARGS",
     "UnknownNameError",
@@ -33,6 +35,7 @@ __all__ = [
     "correction_params",
     "global_counts",
     "group_advantages",
+    "kl_terms",
     "loss_params",
     "metrics_to_floats",
     "overlong_penalty",

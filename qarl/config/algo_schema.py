@@ -50,15 +50,22 @@ class AlgoSection(BaseModel):
     )
     advantage: Literal[ADVANTAGE_MODES] = Field(
         "grpo",
-        description="Group advantage over the group's scorable rewards: 'grpo' = (r - mean) / "
-        "(std + 1e-6) with the unbiased std, 'dr_grpo' = r - mean.",
+        description="Advantage estimator over the scorable rewards (formulas in "
+        "qarl/algo/README.md): 'grpo' = (r - mean) / (std + 1e-6) in the group, unbiased std; "
+        "'dr_grpo' = r - mean; 'rloo' = r minus the mean of the group's other samples; "
+        "'reinforce_pp' = r whitened over the batch, each response weighted by its tokens "
+        "(verl's REINFORCE++); 'reinforce_pp_baseline' = r - group mean, then whitened the "
+        "same way. Groups whose rewards are all equal get 0, except under 'reinforce_pp' "
+        "without dynamic_sampling (no group baseline: such a group still differs from the "
+        "batch mean).",
     )
     dynamic_sampling: bool = Field(
         False,
         description="DAPO's dynamic-sampling filter, without resampling: the rows of groups whose "
         "rewards are all equal (advantage 0) are masked out of the update, so they do not count "
-        "in the loss's token / sequence denominators. No extra responses are sampled: the step "
-        "trains on the remaining rows (metric groups/kept_frac).",
+        "in the loss's token / sequence denominators (and, under advantage 'reinforce_pp', not "
+        "in its batch statistics). No extra responses are sampled: the step trains on the "
+        "remaining rows (metric groups/kept_frac).",
     )
     overlong: OverlongSection | None = Field(
         None, description="DAPO overlong shaping as {l_max, l_cache}. Default: off."

@@ -103,7 +103,11 @@ def compute_advantages(rewards: list[float | None], batch: RolloutBatch, algo: A
     if algo.overlong is not None:
         values = values + overlong_penalty(batch.response_lengths, algo.overlong.l_max,
                                            algo.overlong.l_cache)
-    advantages, info = group_advantages(values, group_size, mode=algo.advantage)
+    # lengths weight the REINFORCE++ modes' batch statistics by response tokens;
+    # drop_all_equal keeps their statistics to the rows dynamic sampling keeps
+    advantages, info = group_advantages(values, group_size, mode=algo.advantage,
+                                        lengths=batch.response_lengths,
+                                        drop_all_equal=algo.dynamic_sampling)
     rows = info.keep if algo.dynamic_sampling else torch.ones_like(info.keep)
     metrics = {"groups/all_equal_frac": info.all_equal.float().mean().item(),
                "groups/kept_frac": rows.float().mean().item()}

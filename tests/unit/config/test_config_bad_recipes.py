@@ -73,7 +73,8 @@ BAD_RECIPES = [
                            "--algo.loss_params.aggregation=token-mean"],
      ["algo.aggregation: also set in algo.loss_params; keep one"]),
     ("advantage-value", ["--algo.advantage=ppo"],
-     ["algo.advantage: should be 'grpo' or 'dr_grpo'", "(got 'ppo')"]),
+     ["algo.advantage: should be 'grpo', 'dr_grpo', 'rloo', 'reinforce_pp' or "
+      "'reinforce_pp_baseline'", "(got 'ppo')"]),
     ("overlong-ramp", ["--algo.overlong={l_max = 8, l_cache = 8}"],
      ["algo.overlong.l_cache: 8 must be below l_max (8)"]),
     ("overlong-too-long", ["--algo.overlong={l_max = 64, l_cache = 8}"],

@@ -39,7 +39,12 @@ from qarl.config.train_checks import (
     masters_can_learn,
 )
 from qarl.config.resources import RESOURCE_CHECKS
-from qarl.config.task_checks import chat_template_reads, one_task_source, reward_exists
+from qarl.config.task_checks import (
+    batched_reward_named,
+    chat_template_reads,
+    one_task_source,
+    reward_exists,
+)
 from qarl.model import SUPPORTED_ARCHITECTURES, ZOO
 from qarl.model.config import MOE_FAMILIES
 from qarl.quant import SCHEMES, scheme_options
@@ -320,6 +325,7 @@ CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
     (("task",), one_task_source),
     (("task",), reward_exists),
     (("task",), chat_template_reads),
+    (("task",), batched_reward_named),
     (("algo",), loss_exists),
     (("algo",), correction_exists),
     (("algo", "rollout"), overlong_fits),

@@ -21,7 +21,7 @@ from qarl.config.errors import Problem
 from qarl.config.lora_checks import lora_resources
 from qarl.model.check import source_problems
 from qarl.quant import SCHEMES, make_scheme, scheme_options
-from qarl.tasks import TASKS, make_task, task_options
+from qarl.tasks import TASKS, make_task, open_options, task_options
 from qarl.tasks.rewards import check_signature, load_reward
 
 
@@ -64,11 +64,20 @@ def scheme_options_valid(quant) -> list[Problem]:
     return []
 
 
+def options_known(named: str | None, options: dict) -> bool:
+    """Whether the task exists and takes these options (else one_task_source says why)."""
+    if named not in TASKS:
+        return False
+    if open_options(named):
+        return not TASKS[named].option_problems(options)
+    return not set(options) - set(task_options(named))
+
+
 def task_loads(task, eval) -> list[Problem]:
     """The task builds with its options (values in range); a dataset file has usable rows in
     its train split and, when eval.size > 0, in its eval split."""
     named = "dataset" if task.dataset is not None else task.name
-    if named not in TASKS or set(task.options) - set(task_options(named)):
+    if not options_known(named, task.options):
         return []  # one_task_source names the unknown task or options
     if task.dataset is not None:
         if not Path(task.dataset).is_file():
@@ -146,7 +155,7 @@ def _train_examples(task, n: int | None) -> list | None:
     """`n` training examples of the task (None: every row of its train split, each once),
     or None where the task does not build."""
     named = "dataset" if task.dataset is not None else task.name
-    if named not in TASKS or set(task.options) - set(task_options(named)):
+    if not options_known(named, task.options):
         return None
     if task.dataset is not None and not Path(task.dataset).is_file():
         return None

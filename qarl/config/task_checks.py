@@ -8,7 +8,7 @@ from pathlib import Path
 from qarl.config.errors import Problem, short, suggest
 from qarl.config.names import check_name, param_problems
 from qarl.model.tokenizer import read_chat_template
-from qarl.tasks import REWARDS, TASKS, task_options
+from qarl.tasks import REWARDS, TASKS, open_options, task_options
 
 DATASET_SUFFIXES = (".jsonl", ".parquet")
 
@@ -28,6 +28,9 @@ def one_task_source(task) -> list[Problem]:
         problems = check_name("task.name", task.name, TASKS, "task")
         if problems:
             return problems
+        if open_options(task.name):  # e.g. a reasoning-gym generator's own parameters
+            return [Problem("task.options" + (f".{path}" if path else ""), message)
+                    for path, message in TASKS[task.name].option_problems(task.options)]
         return param_problems("task.options", task.options, list(task_options(task.name)))
     problems = []
     if not Path(task.dataset).is_file():

@@ -29,9 +29,11 @@ class TaskSection(BaseModel):
     )
     options: dict[str, Any] = Field(
         default_factory=dict,
-        description="Keyword options of the task, e.g. {digits = 1} for 'addition'; with a "
-        "dataset, options of the 'dataset' task (e.g. {eval_fraction = 0.1}). Names are "
-        "checked against the task.",
+        description="Keyword options of the task, e.g. {digits = 1} for 'addition', or a "
+        "reasoning-gym generator and its parameters for 'reasoning_gym' ({dataset = "
+        "'chain_sum', max_terms = 3}; qarl/tasks/README.md); with a dataset, options of the "
+        "'dataset' task (e.g. {eval_fraction = 0.1}). Names and values are checked against "
+        "the task.",
     )
     reward: str | None = Field(
         None,

@@ -9,7 +9,8 @@ from qarl.tasks.base import SPLITS, Example, Task, split_of
 from qarl.tasks.column_addition import ColumnAdditionTask, column_addition_reward, grammar_ok
 from qarl.tasks.dataset_task import DatasetTask
 from qarl.tasks.datasets import BAD_ROW_REASONS, DatasetReport, load_dataset
-from qarl.tasks.registry import TASKS, make_task, task_options
+from qarl.tasks.reasoning_gym_task import ReasoningGymTask
+from qarl.tasks.registry import TASKS, make_task, open_options, task_options
 from qarl.tasks.rewards import REWARDS, load_reward, resolve_spec
 from qarl.tasks.runner import OUTCOMES, RewardResult, RewardRunner
 
@@ -26,6 +27,7 @@ __all__ = [
     "Example",
     "RewardResult",
     "RewardRunner",
+    "ReasoningGymTask",
     "Task",
     "addition_reward",
     "column_addition_reward",
@@ -35,6 +37,7 @@ __all__ = [
     "load_reward",
     "make_task",
     "math_answer_reward",
+    "open_options",
     "resolve_spec",
     "split_of",
     "task_options",

@@ -162,7 +162,7 @@ def test_make_task_validates_names_and_options():
         make_task("addition", digits=0, operators="/")
     with pytest.raises(ValueError, match="missing required option 'path'"):
         make_task("dataset")
-    assert sorted(TASKS) == ["addition", "column_addition", "dataset"]
+    assert sorted(TASKS) == ["addition", "column_addition", "dataset", "reasoning_gym"]
 
 
 def test_bad_split_and_n_raise():

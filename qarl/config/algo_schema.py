@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from qarl.algo import ADVANTAGE_MODES
+from qarl.algo import ADVANTAGE_MODES, KL_ESTIMATORS
 from qarl.config.section import SECTION as _SECTION
 
 
@@ -80,3 +80,17 @@ class AlgoSection(BaseModel):
         "qarl.algo.AGGREGATIONS (e.g. 'token-mean', 'seq-mean-token-mean'). Default: the "
         "loss's own.",
     )
+    kl_coef: float = Field(
+        0.0, ge=0, description="Weight of a KL term to the reference policy (the policy at "
+        "step 0, frozen; docs/learner.md#the-reference-policy), TRL's beta; 0 = off (no "
+        "reference is built).")
+    kl_estimator: Literal[KL_ESTIMATORS] = Field(
+        "k3", description="Per-token KL estimate, as verl's kl_penalty defines them: 'k1' = "
+        "logp - ref_logp, 'abs' = |k1|, 'k2' = k1^2 / 2 (verl's 'mse'), 'k3' = exp(-k1) + k1 - "
+        "1 (verl's 'low_var_kl', clamped to 10).")
+    kl_in: Literal["loss", "reward"] = Field(
+        "loss", description="Where the KL term goes: 'loss' adds kl_coef x the token-mean KL of "
+        "each optimizer step's mini-batch to the loss (verl's use_kl_loss, TRL's beta); "
+        "'reward' subtracts kl_coef x each response's summed KL (old_logp against the "
+        "reference) from its reward before the advantages (verl's use_kl_in_reward, summed "
+        "per sequence).")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qarl.algo import group_advantages, overlong_penalty
+from qarl.algo import group_advantages, kl_terms, overlong_penalty
 from qarl.algo.diagnostics import error_token_metrics, mismatch_metrics, routing_disagreement
 from qarl.config import AlgoSection
 from qarl.model.tokenizer import Tokenizer
@@ -58,6 +58,9 @@ class Experience:
     # [n, L] float32; None: every row, old_logp itself
     replayed_rows: Tensor | None = None
     replayed_logp: Tensor | None = None
+    # the reference policy's logprobs of the sampled tokens [N, L] float32, where the KL term
+    # is in the loss (algo.kl_coef > 0, algo.kl_in = 'loss'); None otherwise
+    ref_logp: Tensor | None = None
 
 
 def train_examples(task: Task, seed: int, step: int, num_prompts: int) -> list[Example]:
@@ -95,11 +98,15 @@ def reward_metrics(result: RewardResult) -> dict[str, float]:
 
 
 def compute_advantages(rewards: list[float | None], batch: RolloutBatch, algo: AlgoSection,
-                       group_size: int) -> tuple[Tensor, Tensor, dict[str, float]]:
-    """Advantages [N] and the rows that take part in the update ([N] bool)."""
+                       group_size: int, penalty: Tensor | None = None,
+                       ) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """Advantages [N] and the rows that take part in the update ([N] bool). `penalty` [N]:
+    subtracted from each reward first (the KL in the reward, `reference_kl`)."""
     values = torch.tensor([float("nan") if r is None else r for r in rewards],
                           dtype=torch.float64,  # [N] float64: group statistics in float64
                           device=batch.response_ids.device)
+    if penalty is not None:
+        values = values - penalty.to(values)  # an unscorable reward stays NaN
     if algo.overlong is not None:
         values = values + overlong_penalty(batch.response_lengths, algo.overlong.l_max,
                                            algo.overlong.l_cache)
@@ -112,6 +119,22 @@ def compute_advantages(rewards: list[float | None], batch: RolloutBatch, algo: A
     metrics = {"groups/all_equal_frac": info.all_equal.float().mean().item(),
                "groups/kept_frac": rows.float().mean().item()}
     return advantages, rows, metrics
+
+
+def reference_kl(algo: AlgoSection, old_logp: Tensor, ref_logp: Tensor,
+                 mask: Tensor) -> tuple[Tensor | None, dict[str, float]]:
+    """The KL of the sampling policy (old_logp) against the reference per token
+    (algo.kl_estimator), as metrics, and, where it goes into the reward (algo.kl_in =
+    'reward'), each response's penalty kl_coef x sum_t kl_t ([N] float64; None otherwise)."""
+    kl = kl_terms(old_logp, ref_logp, mask, estimator=algo.kl_estimator)  # [N, L]
+    tokens = max(1, int(mask.sum()))
+    metrics = {"kl/token_mean": float(kl.sum()) / tokens,
+               "kl/seq_sum_mean": float(kl.sum()) / max(1, kl.shape[0])}
+    if algo.kl_in != "reward":
+        return None, metrics
+    penalty = algo.kl_coef * kl.sum(dim=1).double()  # [N]
+    metrics["kl/reward_penalty_mean"] = float(penalty.mean())
+    return penalty, metrics
 
 
 def sample_metrics(task: Task, exp: Experience, completions: list[str]) -> dict[str, float]:

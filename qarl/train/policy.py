@@ -35,6 +35,7 @@ from qarl.train.learner.logprobs import ForwardScorer
 from qarl.train.learner.optim import build_optimizer
 from qarl.train.learner.passes import Passes
 from qarl.train.learner.precision import Precision
+from qarl.train.learner.reference import Reference
 from qarl.train.sync import WeightSync
 
 
@@ -49,6 +50,7 @@ class Policy:
     quantized: bool  # False when the scheme is the identity (full-precision rollouts)
     audit: ReplayAudit  # how old_logp is computed: a replay, or an audit of one
     contract: RunContract  # the quantization contract: layer table, budget (train/budgets.py)
+    reference: Reference | None = None  # the KL term's frozen policy (algo.kl_coef > 0)
 
     @property
     def device(self) -> torch.device:
@@ -179,10 +181,14 @@ def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | No
                                  tuple(train.betas))
     passes = Passes(learner, make_replayer(config, learner, tokenizer, precision), precision,
                     train, config.quant.routing_replay)
+    # the KL term's reference: this learner before any update, frozen (learner/reference.py)
+    reference = None if not config.algo.kl_coef else Reference.of(
+        learner, lambda frozen: make_replayer(config, frozen, tokenizer, precision),
+        config.quant.routing_replay)
     identity = SCHEMES[config.quant.scheme].is_identity
     exact = replay_is_exact(config, bool(learner.config.moe_layers))
     audit = ReplayAudit(exact, config.train.audit_fraction, config.train.audit_full_every)
     return Policy(AlignedLearner(passes, optimizers),
                   engine, WeightSync(learner, engine, config.quant.sync_check, adapters),
                   quantized=not identity, audit=audit,
-                  contract=RunContract(config, exact))
+                  contract=RunContract(config, exact), reference=reference)

@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 
 from qarl import jsonio
 from qarl.config import RunConfig, load_config, to_toml
+from qarl.errors import UserError
 from qarl.native.memory import tune_allocator
 from qarl.quant.contract import ContractBroken
 from qarl.train import checkpoint
@@ -36,7 +37,7 @@ from qarl.train.learner.follow import learner_on_ranks
 from qarl.train.metrics import MetricsLogger
 from qarl.train.monitors import Monitors
 from qarl.train.phases import (
-    Experience, PhaseTimer, compute_advantages, reward_metrics, reward_responses,
+    Experience, PhaseTimer, compute_advantages, reference_kl, reward_metrics, reward_responses,
     sample_metrics, train_examples,
 )
 from qarl.train.policy import Policy
@@ -62,14 +63,21 @@ def rl_step(policy: Policy, data: Data, config: RunConfig, step: int) -> dict[st
     with timer("reward"):
         scored, completions = reward_responses(data.tokenizer, data.rewards, examples, batch, G)
         data.watch.observe(scored, f"step {step + 1}")  # RewardsFailed: a reward that never works
-    advantages, rows, group_metrics = compute_advantages(scored.rewards, batch, config.algo, G)
     check_stop()
     # the learner scores under the sampler's kept sets (or, correction off, the whole vocabulary)
     scoring, batch = learner_view(config.rollout, sampling, batch)
     with timer("old_logp"):  # a replay, or an audit of one where it is exact (learner/audit.py)
         old = policy.audit.old_logp(policy.learner, batch, scoring, seed, step)
+    ref_logp, penalty, kl_metrics = None, None, {}
+    if policy.reference is not None:  # algo.kl_coef > 0
+        with timer("ref_logp"):
+            ref_logp = policy.reference.logp(batch, scoring)
+        penalty, kl_metrics = reference_kl(config.algo, old.logp, ref_logp, batch.response_mask)
+    advantages, rows, group_metrics = compute_advantages(scored.rewards, batch, config.algo, G,
+                                                         penalty)
     exp = Experience(batch, scoring, old.logp, advantages, rows, old.routing,
-                     old.replayed_rows, old.replayed_logp)
+                     old.replayed_rows, old.replayed_logp,
+                     ref_logp if config.algo.kl_in == "loss" else None)
     samples = sample_metrics(data.task, exp, completions)
     budget = policy.contract.check_step(samples, step)  # OverBudget: stop before the update
     check_stop()
@@ -82,7 +90,7 @@ def rl_step(policy: Policy, data: Data, config: RunConfig, step: int) -> dict[st
         sync = policy.sync.push()
     generated = int(batch.response_mask.sum())
     return {
-        **reward_metrics(scored), **group_metrics, **old.metrics, **update, **sync,
+        **reward_metrics(scored), **group_metrics, **old.metrics, **kl_metrics, **update, **sync,
         **samples, **budget, **timer.metrics(),
         "response/length_mean": generated / batch.num_sequences,
         "speed/tokens_per_s": generated / max(1e-9, timer.seconds["generate"]),
@@ -124,6 +132,19 @@ def _warm_start(config: RunConfig):
         raise RunStopped(stop.signum, None, Path(config.run.output_dir) / config.run.name) from None
 
 
+def check_reference(policy: Policy, state: dict, folder: Path) -> None:
+    """A resumed run's reference (rebuilt from the warm start) is the one its checkpoint's
+    steps were taken against, or the run stops before any step (UserError)."""
+    saved = state.get("reference")
+    if policy.reference is None or saved is None or saved == policy.reference.digest:
+        return
+    raise UserError(f"{folder} was trained against another reference policy than the one "
+                    "this resume rebuilt from the recipe's warm start (the model files, the "
+                    "warm start or [lora] changed since): the KL term would change meaning "
+                    "mid-run. Restore the files the run started from, or start over with "
+                    "--run.resume=false")
+
+
 class Loop:
     """The steps of one run with what they carry between them: the steps done, the global RNG
     state at that point, the last checkpoint, the bad-step count, the metrics log."""
@@ -157,6 +178,7 @@ class Loop:
             self.policy.audit.full_replay = state.get("full_replay", False)
             self.monitors = Monitors(self.config.monitor, state.get("monitor"))
             self.policy.contract.restore(state.get("contract") or {})
+            check_reference(self.policy, state, resume_from)
         try:  # the contract's layers first (a push to a layer of another format would fail
             # less clearly), then the engine decodes with the learner's current codes
             contract = self.policy.contract.start(self.policy.sync, self.run_dir)
@@ -245,6 +267,8 @@ class Loop:
         state = {"time": time.time(), "bad_steps": self.guard.in_a_row,
                  "full_replay": self.policy.audit.full_replay, "monitor": self.monitors.state(),
                  "contract": self.policy.contract.state()}
+        if self.policy.reference is not None:  # which reference the steps were taken against
+            state["reference"] = self.policy.reference.digest
         optimizer_state = not (last and train.final_checkpoint == "weights")
         with learner.whole_optimizer_state():
             self.saved = checkpoint.save(self.run_dir, self.done, learner.model,

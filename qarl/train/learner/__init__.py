@@ -9,6 +9,7 @@
 - `update`: the epochs of micro-batched backward passes and optimizer steps, with the guards;
 - `audit`: old_logp where the replay is exact by construction (`kernel` alignment), an audit;
 - `optim`: AdamW / Muon and the learning-rate schedule;
+- `reference`: the KL term's reference policy (the learner as the run starts, frozen);
 - `follow`: the learner on several ranks (replicated or FSDP).
 
 docs/learner.md is the reference.

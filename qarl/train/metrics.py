@@ -1,9 +1,12 @@
-"""Where step metrics go: a JSONL file (always), TensorBoard (when installed), a progress bar."""
+"""Where step metrics go: a JSONL file (always), TensorBoard (when installed), Weights & Biases
+(log.wandb), a progress bar."""
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import os
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,8 +37,10 @@ class MetricsLogger:
     (the trainer restores the file itself: qarl.train.checkpoint.restore_metrics)."""
 
     def __init__(self, run_dir: Path, total_steps: int, progress: bool = True,
-                 tensorboard: bool | str = "auto", jsonl: bool = True, start_step: int = 0):
+                 tensorboard: bool | str = "auto", jsonl: bool = True, start_step: int = 0,
+                 wandb_run: Any = None):
         self.run_dir = Path(run_dir)
+        self.wandb_run = wandb_run  # a started wandb run (`start_wandb`), or None
         self.path = self.run_dir / "metrics.jsonl"
         self.jsonl = jsonl
         self.writer = None
@@ -62,6 +67,10 @@ class MetricsLogger:
             for key, value in row.items():
                 if isinstance(value, (int, float)) and key != "step":
                     self.writer.add_scalar(f"{kind}/{key}", value, step)
+        if self.wandb_run is not None:  # train and eval rows' keys are distinct already
+            self.wandb_run.log({k: v for k, v in row.items() if k != "step"
+                                and isinstance(v, (int, float)) and not isinstance(v, bool)},
+                               step=step)
         if self.bar is not None and kind == "train":
             shown = {label: f"{row[k]:.3g}" for k, label in PROGRESS_FIGURES.items()
                      if isinstance(row.get(k), (int, float))}
@@ -80,3 +89,21 @@ class MetricsLogger:
             self.bar.close()
         if self.writer is not None:
             self.writer.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+WANDB_ID = "wandb_id.txt"  # the run folder's wandb run id: a resumed run logs to the same run
+
+
+def start_wandb(run_dir: Path, name: str, project: str, recipe: dict[str, Any]) -> Any:
+    """A wandb run for the qarl run in `run_dir` (its id kept there, so a resumed qarl run
+    resumes it), with the resolved recipe as its config; its files go under $WANDB_DIR, else
+    the run folder."""
+    import wandb
+
+    id_file = Path(run_dir) / WANDB_ID
+    run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
+    id_file.write_text(run_id + "\n")
+    return wandb.init(project=project, name=name, id=run_id, resume="allow", config=recipe,
+                      dir=os.environ.get("WANDB_DIR") or str(run_dir))

@@ -34,7 +34,7 @@ from qarl.parallel.ranks import LearnerRankDied
 from qarl.train.data import Data, learner_view, sampling_params
 from qarl.train.folder import open_run
 from qarl.train.learner.follow import learner_on_ranks
-from qarl.train.metrics import MetricsLogger
+from qarl.train.metrics import MetricsLogger, start_wandb
 from qarl.train.monitors import Monitors
 from qarl.train.phases import (
     Experience, PhaseTimer, compute_advantages, reference_kl, reward_metrics, reward_responses,
@@ -186,8 +186,12 @@ class Loop:
         except ContractBroken as err:
             raise TrainingAborted(f"before step {self.done + 1}: {err}") from err
         log = self.config.log
+        wandb_run = (start_wandb(self.run_dir, self.config.run.name, log.wandb_project,
+                                 self.config.model_dump(mode="json", exclude_none=True))
+                     if log.wandb else None)
         self.log = MetricsLogger(self.run_dir, self.config.train.steps, progress=log.progress,
-                                 tensorboard=log.tensorboard, jsonl=log.jsonl, start_step=self.done)
+                                 tensorboard=log.tensorboard, jsonl=log.jsonl, start_step=self.done,
+                                 wandb_run=wandb_run)
         self.log.write(contract)
         if resume_from is not None:
             self.log.write(f"resumed from {resume_from} at step {self.done}")

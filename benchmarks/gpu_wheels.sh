@@ -7,7 +7,7 @@
 #     bash benchmarks/gpu_wheels.sh 3.12 aarch64 DIR
 #
 # A CUDA PyTorch image already holds torch, transformers (with tokenizers, huggingface-hub,
-# safetensors, pyyaml, requests, tqdm), numpy, sympy, matplotlib, pyarrow, peft and pytest.
+# safetensors, pyyaml, tqdm), requests, numpy, sympy, matplotlib, pyarrow, peft and pytest.
 # qarl needs these beyond them, each pinned, fetched without dependencies (--no-deps) so that
 # the folder holds exactly this list:
 #

@@ -16,12 +16,13 @@ seed)` shuffles the pool by the seed and cycles through it (n > eval_problems re
 
 Reward. The answer is the text inside the last `<answer>...</answer>` (reasoning-gym's
 `extract_answer`, the tag its system prompts ask for). Without the tag, with `fallback = true`
-(the default), the answer is the completion's last non-empty line, less a leading "answer:" /
-"the answer is" and a trailing period; with `fallback = false` there is no answer (None, which
-reasoning-gym scores 0). The generator's `score_answer(answer, entry)` gives the reward (in
-[0, 1]; some generators give partial credit). The entry is regenerated in the reward worker
-from its source (generator, parameters, seed, size, index), so nothing but JSON travels, and a
-regenerated question that differs from the prompt is an error.
+(the default), the answer is taken from the completion's last non-empty line: the text after
+its last " is ", ":" or "=" (the whole line if none), stripped of spaces, `*`, backticks and
+quotes and of a final period ("The sum is 7." -> "7"); with `fallback = false` there is no
+answer (None, which reasoning-gym scores 0). The generator's `score_answer(answer, entry)`
+gives the reward (in [0, 1]; some generators give partial credit). The entry is regenerated in
+the reward worker from its source (generator, parameters, seed, size, index), so nothing but
+JSON travels, and a regenerated question that differs from the prompt is an error.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ INSTALL = "pip install 'qarl[reasoning-gym]'"
 EVAL_SEED = 2**40  # eval pools start here; training seeds are below 2**31
 MAX_CHUNKS = 50  # generator re-draws before a split is declared exhausted
 _ANSWER_TAG = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
-_MARKER = re.compile(r"^(?:the\s+)?(?:final\s+)?answer(?:\s+is)?\s*[:=]?\s*", re.IGNORECASE)
+_WRAPPERS = "*`\"' "  # stripped around a fallback answer
+_MARKER = re.compile(r"\sis\s|[:=]")  # the answer follows the last of these on its line
 
 
 def _rg():
@@ -53,8 +55,9 @@ def _rg():
 
 
 def extract_answer(completion: str, fallback: bool = True) -> str | None:
-    """The answer in a completion: the last <answer> tag's text, else (fallback) the last
-    non-empty line less an "answer:" marker and a final period; None when there is none."""
+    """The answer in a completion: the last <answer> tag's text, else (fallback) what follows
+    the last " is ", ":" or "=" of the last non-empty line (module docstring); None when there
+    is none."""
     tags = _ANSWER_TAG.findall(completion)
     if tags:
         return tags[-1].strip()
@@ -63,8 +66,10 @@ def extract_answer(completion: str, fallback: bool = True) -> str | None:
     lines = [line.strip() for line in completion.splitlines() if line.strip()]
     if not lines:
         return None
-    answer = _MARKER.sub("", lines[-1].strip("*` ")).strip()
-    return answer[:-1].strip() if answer.endswith(".") else answer
+    markers = list(_MARKER.finditer(lines[-1]))
+    answer = lines[-1][markers[-1].end():] if markers else lines[-1]
+    answer = answer.strip().strip(_WRAPPERS)
+    return answer[:-1].strip(_WRAPPERS) if answer.endswith(".") else answer
 
 
 def generator_params(name: str) -> list[str]:

@@ -53,15 +53,19 @@ def test_examples_are_deterministic_in_the_seed():
 @pytest.mark.parametrize("text, fallback, expected", [
     ("think... <answer>12</answer>", True, "12"),
     ("<answer> a </answer> then <answer>b</answer>", True, "b"),
-    ("Let me add.\n\nThe answer is 12.\n", True, "12"),
+    ("Let me add.\n\nThe answer to the problem is 12.\n", True, "12"),
     ("working\nAnswer: olleh", True, "olleh"),
+    ("4 - 1 = -3", True, "-3"),
+    ("The word is \"olleh\".", True, "olleh"),
     ("**12**", True, "12"),
+    ("islands", True, "islands"),
     ("The answer is 12.", False, None),
     ("", True, None),
 ])
 def test_extract_answer(text, fallback, expected):
-    """The last <answer> tag's text; else, with the fallback, the last non-empty line less an
-    'answer:' / 'the answer is' marker and a final period; else None."""
+    """The last <answer> tag's text; else, with the fallback, what follows the last ' is ',
+    ':' or '=' of the last non-empty line (the line if none), without quotes, `*`, backticks
+    and a final period; else None."""
     assert extract_answer(text, fallback) == expected
 
 

@@ -9,6 +9,10 @@ trajectory ends) regenerates the table instead of leaving it stale.
     .venv/bin/python benchmarks/default_runs.py --results       # and write docs/results.md
     .venv/bin/python benchmarks/default_runs.py --seeds 0 --train.steps=2   # a smoke run
     .venv/bin/python benchmarks/default_runs.py --from runs/kept --results  # table of kept runs
+    .venv/bin/python benchmarks/default_runs.py --recipe reasoning_gym --results  # its section
+
+`--recipe` names another packaged recipe (`reasoning_gym`: SmolLM2-135M on reasoning-gym's
+chain sums); its table goes to the section `<recipe>-runs`.
 
 Arguments after the options are `qarl train` overrides (the results page's table is the default
 recipe's: pass none for it). Each run is a child process (`qarl train`, as a user runs it);
@@ -43,10 +47,10 @@ def read_run(seed: int, out: Path) -> dict:
             "after": {key: evals[-1].get(key) for _, key in COLUMNS}}
 
 
-def run_seed(seed: int, out: Path, overrides: list[str]) -> dict:
+def run_seed(seed: int, out: Path, overrides: list[str], recipe: str = "default") -> dict:
     """One `qarl train` child: its evals before and after, wall seconds and peak RSS."""
     qarl = Path(sys.executable).with_name("qarl")
-    args = [str(qarl), "train", f"--run.seed={seed}", f"--run.output_dir={out}",
+    args = [str(qarl), "train", recipe, f"--run.seed={seed}", f"--run.output_dir={out}",
             f"--run.name=seed{seed}", "--log.progress=false", *overrides]
     began = time.perf_counter()
     with open(out / f"seed{seed}.log", "w") as log:
@@ -101,10 +105,10 @@ def commit() -> str:
     return done.stdout.strip() + ("+changes" if dirty else "")
 
 
-def notes(results: list[dict]) -> str:
+def notes(results: list[dict], recipe: str = "default") -> str:
     """The results page's words under the table: what the columns are, each run's cost."""
     text = ("Held-out accuracy (and the share of truncated responses) at the first and the last "
-            "evaluation of each `qarl train` run of the default recipe, `before -> after`; in "
+            f"evaluation of each `qarl train` run of the {recipe} recipe, `before -> after`; in "
             "bold the deployed W8A8 policy after training.")
     if all("wall_s" in r for r in results):  # runs measured here, not read `--from` a folder
         wall, peak = [r["wall_s"] for r in results], [r["peak_rss_gb"] for r in results]
@@ -116,6 +120,9 @@ def notes(results: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--recipe", default="default",
+                        help="a packaged recipe (its quant.scheme should be W8A8 int8, as the "
+                        "columns say); its table goes to the section <recipe>-runs")
     parser.add_argument("--results", action="store_true",
                         help="write the table into docs/results.md (section default-runs)")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run folders here")
@@ -133,8 +140,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         out = args.keep or Path(scratch)
         out.mkdir(parents=True, exist_ok=True)
-        results = [read_run(seed, args.source) if args.source else run_seed(seed, out, overrides)
-                   for seed in args.seeds]
+        results = [read_run(seed, args.source) if args.source
+                   else run_seed(seed, out, overrides, args.recipe) for seed in args.seeds]
     text = table(results)
     if args.results:
         from results_page import this_command, write_section
@@ -142,10 +149,12 @@ def main() -> None:
         before, after = (mean_of(results, side, COLUMNS[0][1]) for side in ("before", "after"))
         seeds = " / ".join(str(r["seed"]) for r in results)
         glance = None if None in (before, after) else (
-            "default recipe: deployed W8A8 policy, held-out accuracy",
+            f"{args.recipe} recipe: deployed W8A8 policy, held-out accuracy",
             f"{before:.2f} -> {after:.2f} (mean of seeds {seeds})")
-        write_section("default-runs", "What the default run shows", this_command(), text,
-                      notes=notes(results), glance=glance, machine=args.machine)
+        title = ("What the default run shows" if args.recipe == "default"
+                 else f"What the {args.recipe} recipe's run shows")
+        write_section(f"{args.recipe.replace('_', '-')}-runs", title, this_command(), text,
+                      notes=notes(results, args.recipe), glance=glance, machine=args.machine)
     print(json.dumps({"commit": commit(), "overrides": overrides, "machine": machine(),
                       "runs": results, "table": text}, indent=1))
 

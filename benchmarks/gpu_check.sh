@@ -9,7 +9,8 @@
 #     bash benchmarks/gpu_check.sh --device cpu --quick   # the same path dry-run on a CPU
 #
 #   --device D     cuda (default), cuda:N or cpu
-#   --quick        the dry run's sizes: the tiny model only, 2 steps, two step-time arms
+#   --quick        the dry run's sizes: the tiny model only, 2 steps, two step-time arms; on a
+#                  CPU every part's limit doubles and the budget is 900 s unless given
 #   --python PY    the interpreter holding torch (default: python3)
 #   --wheels DIR   the carried wheels (default: .gpu-wheels/py<X.Y>-<machine>, PY's own)
 #   --json PATH    where the JSON goes (default: $OUT/gpu_check.json, else ./gpu_check.json);
@@ -35,7 +36,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
 
-DEVICE=cuda QUICK=0 PY=python3 WHEELS="" OUT_JSON="${OUT:-.}/gpu_check.json" BUDGET=450
+DEVICE=cuda QUICK=0 PY=python3 WHEELS="" OUT_JSON="${OUT:-.}/gpu_check.json" BUDGET=""
 ARGS="$*"
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -49,6 +50,9 @@ while [ $# -gt 0 ]; do
     esac
 done
 case "$OUT_JSON" in /*) ;; *) OUT_JSON="$ROOT/$OUT_JSON" ;; esac
+SCALE=1  # the parts' limits below are for a GPU; a CPU dry run's parts take longer
+if [ "$QUICK" = 1 ] && [ "$DEVICE" = cpu ]; then SCALE=2; fi
+BUDGET="${BUDGET:-$(( 450 * SCALE ))}"
 RESERVE=15  # seconds kept for writing the JSON
 started=$(date +%s)
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/qarl-gpu-check.XXXXXX")"
@@ -81,7 +85,7 @@ trap '[ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null; stop interrupted "SIGI
 
 # run_part NAME LIMIT_S COMMAND: COMMAND (a bash string) under its limit, cut to the budget left
 run_part() {
-    local name=$1 limit=$2 command=$3 left began
+    local name=$1 limit=$(( $2 * SCALE )) command=$3 left began
     echo "$name" >>"$WORK/parts"
     left=$(( BUDGET - ($(date +%s) - started) - RESERVE ))
     if [ "$left" -lt 20 ]; then

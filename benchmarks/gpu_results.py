@@ -11,6 +11,8 @@ with peak GPU memory), each with a glance line.
 
 from __future__ import annotations
 
+import re
+
 from parity_table import glance as parity_glance
 from parity_table import markdown as parity_markdown
 from results_page import write_section
@@ -32,7 +34,9 @@ def machine(report: dict) -> str:
 
 
 def command(report: dict) -> str:
-    return " ".join(["bash benchmarks/gpu_check.sh", report.get("args", "")]).strip()
+    """The check's command line, less where its JSON went."""
+    args = re.sub(r"\s*--json\s+\S+", "", report.get("args", ""))
+    return " ".join(["bash benchmarks/gpu_check.sh", args]).strip()
 
 
 def table(head: list[str], rows: list[list[str]]) -> str:

@@ -168,7 +168,7 @@ class ReasoningGymTask:
         self.specs = [({k: v for k, v in s.items() if k not in ("dataset", "weight")},
                        s["dataset"], float(s.get("weight", 1.0))) for s in specs]
         self.name = "reasoning_gym"
-        self.reward_spec = "qarl.tasks.reasoning_gym_task:reasoning_gym_reward"
+        self.reward_spec = "qarl.tasks.reasoning_gym_reward:reward"  # imports reasoning-gym
         self.eval_problems, self.fallback = eval_problems, fallback
         self.system = None if system is None else _rg().utils.SYSTEM_PROMPTS[system]
         self._eval: list[Example] | None = None

@@ -58,11 +58,12 @@ def check_section(report: dict, where: dict) -> None:
              "-" if p["limit_s"] is None else str(p["limit_s"])]
             for name, p in report["parts"].items()]
     wheels = report["wheels"]
+    peak = report["peak_gpu_allocated_gib"]
     notes = (f"Status {report['status']}, {report['wall_s']} s in all (budget "
              f"{report['budget_s']} s); carried wheels: {len(wheels['files'])} files, "
-             f"{wheels['total_mib']:.1f} MiB (benchmarks/gpu_wheels.sh); peak GPU memory "
-             f"allocated {gib(report['peak_gpu_allocated_gib'])}. Each part runs under its own "
-             "time limit (s), cut to what the budget leaves.")
+             f"{wheels['total_mib']:.1f} MiB (benchmarks/gpu_wheels.sh)"
+             + ("" if peak is None else f"; peak GPU memory allocated {gib(peak)}")
+             + ". Each part runs under its own time limit (s), cut to what the budget leaves.")
     write_section("gpu-check", "GPU check", command(report),
                   table(["part", "status", "seconds", "limit"], rows), notes=notes, **where)
 

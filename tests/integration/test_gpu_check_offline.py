@@ -87,10 +87,16 @@ def image_env(folder: Path) -> Path:
     return python
 
 
+# A proxy that refuses every connection: pip, huggingface-hub and requests honour these, so a
+# part that reached for the network would fail instead of quietly downloading.
+NO_NETWORK = dict.fromkeys(("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"),
+                           "http://127.0.0.1:9")
+
+
 def clean_environ(tmp: Path) -> dict:
     env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "QARL_HOME")}
-    return {**env, "TMPDIR": str(tmp)}
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "QARL_HOME", "NO_PROXY", "no_proxy")}
+    return {**env, **NO_NETWORK, "TMPDIR": str(tmp)}
 
 
 def run_check(tmp: Path, *args: str, timeout: float) -> tuple[subprocess.CompletedProcess, dict]:

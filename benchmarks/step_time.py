@@ -49,7 +49,7 @@ from qarl.config import load_config, parse_overrides  # noqa: E402
 from qarl.native import machine  # noqa: E402
 from qarl.native.memory import tune_allocator  # noqa: E402
 
-PHASES = ("generate", "reward", "old_logp", "update", "sync")
+PHASES = ("generate", "reward", "old_logp", "ref_logp", "update", "sync")  # ref_logp: KL runs
 
 
 def _arm(text: str) -> tuple[str, dict]:
@@ -108,12 +108,16 @@ def measure(recipe: str, arms: list[tuple[str, dict]], steps: int, tokens: int |
 
 
 def ignore_eos(name: str, policy) -> None:
-    """A `measure` prepare hook: the sampler and the learner's decode-path replay (which
-    must stop rows where the sampler did) end no row at an EOS id."""
+    """A `measure` prepare hook: the sampler and the learner's decode-path replays (its own
+    and the KL reference's, which must stop rows where the sampler did) end no row at an EOS
+    id."""
     policy.engine.eos_token_ids = ()
-    replayer = policy.learner.passes.replayer
-    if hasattr(replayer, "eos_token_ids"):
-        replayer.eos_token_ids = ()
+    scorers = [policy.learner.passes.replayer]
+    if policy.reference is not None:
+        scorers.append(policy.reference.scorer)
+    for scorer in scorers:
+        if hasattr(scorer, "eos_token_ids"):
+            scorer.eos_token_ids = ()
 
 
 def in_processes(args: argparse.Namespace, arms: list[str]) -> dict:

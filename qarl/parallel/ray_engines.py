@@ -12,9 +12,16 @@ folder), and the trainer talks to `RayEngines` as it talks to one engine:
   batch equals one engine's batch bit for bit (torch.equal), not just in distribution.
 - `load_weights` puts the state in Ray's object store once (`ray.put`) and hands every actor
   the same reference: the learner serializes its codes and scales once per step, whatever N.
+  Where the actors' engines take weight deltas (`DeltaLoader`, the local engine's), so does
+  `RayEngines`: `load_delta` puts the changed codes and scales and the delta's whole tensors
+  once, as two objects, and each actor applies them to the version it holds.
 - Faults: an actor that dies is restarted by Ray (`max_restarts`); its shard is resubmitted
   after the last pushed weights are reinstalled, with the same seed and row offset, so the
-  step's tokens do not change. `restarts` counts the resubmissions.
+  step's tokens do not change. `restarts` counts the resubmissions. The weights reinstalled
+  are the last whole state and what was pushed after it: the adapters of a LoRA run, or
+  every delta since, in order (each delta's whole tensors superseded by the last one's, so
+  the object store holds the last whole state, the deltas' changed codes and one copy of
+  the other tensors; the weight sync bounds the deltas' bytes: qarl/train/sync.py).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from torch import Tensor
 
 from qarl.quant import QWeight
+from qarl.quant.delta import StateDelta
 from qarl.types import RolloutBatch, SamplingParams, concat_batches
 
 _RESTART_TIMEOUT_S = 300  # a restarted actor rebuilds its engine: loads and quantizes the model
@@ -69,6 +77,21 @@ class EngineWorker:
             self.engine.load_weights(state, partial=True)
         else:
             self.engine.load_weights(state)
+
+    def takes_deltas(self) -> bool:
+        return self.engine.delta_loader() is not None
+
+    def versions(self) -> list[int | None]:
+        return self.engine.delta_loader().versions()
+
+    def load_versioned(self, state: dict, version: int) -> None:
+        self.engine.delta_loader().load_versioned(state, version)
+
+    def load_delta(self, codes: StateDelta, tensors: dict) -> None:
+        """`codes`: the delta without its whole tensors, which come as `tensors` (the last
+        delta's, when a restarted actor replays older deltas)."""
+        self.engine.delta_loader().load_delta(
+            StateDelta(codes.base, codes.version, codes.qweights, tensors))
 
     def describe(self) -> dict[str, str]:
         return self.engine.describe()
@@ -115,10 +138,14 @@ class RayEngines:
                 f"{gpus_per_worker} GPU free on one node of the cluster; see `ray status`, or "
                 "lower dist.rollout_workers")
         self.pad_token_id: int = ray.get(pads[0])
+        self._takes_deltas: bool = ray.get(self.workers[0].takes_deltas.remote())
         self.restarts = 0
-        # ObjectRefs reinstalled after a restart: the last whole state pushed, and the last
-        # partial one after it (a LoRA run's adapters), or None
-        self._weights = self._partial = None
+        # ObjectRefs reinstalled after a restart: the last whole state pushed (with its
+        # version, None when pushed without one), and after it the last partial one (a LoRA
+        # run's adapters) or the deltas since (their codes in order, the last one's tensors)
+        self._weights = self._partial = self._tensors = None
+        self._version: int | None = None
+        self._deltas: list = []
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int,
                  row_offset: int = 0, prompt_width: int = 0) -> RolloutBatch:
@@ -150,8 +177,33 @@ class RayEngines:
         if partial:
             self._partial = ref
         else:
-            self._weights, self._partial = ref, None
+            self._weights, self._partial, self._version = ref, None, None
+            self._deltas, self._tensors = [], None
         self._run([(k, "load_weights", (ref, partial)) for k in range(len(self.workers))])
+
+    def delta_loader(self) -> "RayEngines | None":
+        """Itself where the actors' engines take deltas (`DeltaLoader`), else None."""
+        return self if self._takes_deltas else None
+
+    def versions(self) -> list[int | None]:
+        """`DeltaLoader.versions`: every actor's, in actor order."""
+        per_actor = self._run([(k, "versions", ()) for k in range(len(self.workers))])
+        return [v for versions in per_actor for v in versions]
+
+    def load_versioned(self, state: dict, version: int) -> None:
+        """`DeltaLoader.load_versioned`: one `ray.put`, as `load_weights`."""
+        ref = ray.put(state)
+        self._weights, self._partial, self._version = ref, None, version
+        self._deltas, self._tensors = [], None
+        self._run([(k, "load_versioned", (ref, version)) for k in range(len(self.workers))])
+
+    def load_delta(self, delta: StateDelta) -> None:
+        """`DeltaLoader.load_delta`: the changed codes and the whole tensors, one `ray.put`
+        each; every actor applies them to the version it holds."""
+        codes = ray.put(StateDelta(delta.base, delta.version, delta.qweights))
+        self._deltas.append(codes)
+        self._tensors = ray.put(delta.tensors)
+        self._run([(k, "load_delta", (codes, self._tensors)) for k in range(len(self.workers))])
 
     def describe(self) -> dict[str, str]:
         return self._run([(0, "describe", ())])[0]
@@ -204,13 +256,22 @@ class RayEngines:
 
     def _reinstall(self, k: int, method: str) -> None:
         """A restarted actor k gets the weights the others hold (before its call is
-        resubmitted): the last whole state, then the adapters pushed after it; a failed
-        partial push itself is resubmitted after the whole state only."""
-        if self._weights is None or (method == "load_weights" and self._partial is None):
+        resubmitted): the last whole state, then the adapters pushed after it or every delta
+        since (a failed delta push itself included: resubmitted, it finds its version there
+        and takes nothing); a failed partial push itself is resubmitted after the whole
+        state only."""
+        whole = method in ("load_weights", "load_versioned")
+        if self._weights is None or (whole and self._partial is None):
             return  # nothing pushed yet, or the failed call is the whole push itself
-        ray.get(self.workers[k].load_weights.remote(self._weights))
+        worker = self.workers[k]
+        if self._version is None:
+            ray.get(worker.load_weights.remote(self._weights))
+        else:
+            ray.get(worker.load_versioned.remote(self._weights, self._version))
+        for codes in self._deltas:
+            ray.get(worker.load_delta.remote(codes, self._tensors))
         if self._partial is not None and method != "load_weights":
-            ray.get(self.workers[k].load_weights.remote(self._partial, True))
+            ray.get(worker.load_weights.remote(self._partial, True))
 
     def _wait_until_alive(self, k: int) -> None:
         """Block until Ray has restarted actor k (its constructor rebuilt the engine)."""

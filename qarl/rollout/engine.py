@@ -31,6 +31,7 @@ from qarl.model.cache import KVCache
 from qarl.model.decoder import CausalLM, positions_from_mask
 from qarl.quant import load_state, quant_layers
 from qarl.quant.digests import engine_digests
+from qarl.rollout.deltas import EngineDeltas
 from qarl.rollout.plan import DecodePlan, DecodePlanner
 from qarl.rollout.routing import RoutingTable
 from qarl.rollout.sampling import kept_logprobs, row_uniforms, sample, sampler_logprobs
@@ -94,6 +95,7 @@ class LocalEngine:
         )
         self.pad_token_id = pad_token_id
         self.share_prompts = share_prompts
+        self.weight_version: int | None = None  # what it holds (deltas.py); None: unlabelled
         self._planner = DecodePlanner(prepack_weights, fuse_blocks)
         self.max_context = (
             model.config.max_position_embeddings if max_context is None else max_context
@@ -123,6 +125,11 @@ class LocalEngine:
         the same module objects, and the next call repacks whatever changed."""
         with torch.no_grad():
             load_state(self.model, state, strict=not partial)
+        self.weight_version = None
+
+    def delta_loader(self) -> "EngineDeltas":
+        """`Engine.delta_loader`: deltas applied in place to its layers' codes (deltas.py)."""
+        return EngineDeltas(self)
 
     def qweights(self) -> dict:
         """The codes and scales each quantized layer decodes with (`Engine.qweights`)."""

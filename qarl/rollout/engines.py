@@ -34,6 +34,7 @@ class EngineKind:
     schemes: Callable[[], tuple[str, ...]]  # the schemes it serves on this machine
     dense_only: bool  # True: mixture-of-experts models are refused
     uses_gpu: bool  # a Ray rollout worker of it takes a GPU where CUDA is available
+    deltas: bool  # it takes weight deltas (`Engine.delta_loader`)
     package: str | None  # the Python package it needs (None: nothing beyond qarl)
     install: str  # how to get that package
     # (rollout section, quant section) -> [(recipe key, problem)], beyond the fields above
@@ -73,11 +74,13 @@ def _vllm_problems(rollout, quant) -> list[tuple[str, str]]:
 
 ENGINES: dict[str, EngineKind] = {
     "local": EngineKind(
-        "local", ALIGNS, lambda: tuple(SCHEMES), dense_only=False, uses_gpu=False, package=None,
+        "local", ALIGNS, lambda: tuple(SCHEMES), dense_only=False, uses_gpu=False, deltas=True,
+        package=None,
         install="",
         problems=lambda rollout, quant: [], build=_build_local, label=lambda engine: "local"),
     "vllm": EngineKind(
-        "vllm", VLLM_ALIGNS, served_schemes, dense_only=True, uses_gpu=True, package="vllm",
+        "vllm", VLLM_ALIGNS, served_schemes, dense_only=True, uses_gpu=True, deltas=False,
+        package="vllm",
         install="`pip install 'qarl[vllm]'` (CPU build, its own environment: `make test-vllm` "
                 "creates one)",
         problems=_vllm_problems, build=_build_vllm,

@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 from torch import Tensor
 
 from qarl.quant import QWeight
+from qarl.quant.delta import StateDelta
 from qarl.types import RolloutBatch, SamplingParams
 
 
@@ -76,6 +77,11 @@ class Engine(Protocol):
         the previous weights."""
         ...
 
+    def delta_loader(self) -> "DeltaLoader | None":
+        """The engine's capability to take weight deltas (`DeltaLoader`), or None where it
+        takes whole states only."""
+        ...
+
     def describe(self) -> dict[str, str]:
         """What runs, per part of the model: module name (`model.layers.3`, `lm_head`, ...) ->
         a sentence naming the path (e.g. a fused native block, a fused PyTorch block, a
@@ -107,3 +113,33 @@ class Engine(Protocol):
         """Release what the engine holds outside this object (actors, processes); a no-op
         for an engine that holds none. The engine is not used after."""
         ...
+
+
+@runtime_checkable
+class DeltaLoader(Protocol):
+    """An engine that takes only what changed since the weight version it holds
+    (`qarl.quant.delta`): the weight sync pushes a whole state labelled with a version, then
+    deltas from each version to the next, and a whole state again to any replica that holds
+    another version (new, restarted, or one that missed a push)."""
+
+    def versions(self) -> list[int | None]:
+        """Per replica (one, or one per Ray actor): the weight version it holds; None for an
+        engine whose weights came another way (a plain `load_weights`, or none yet)."""
+        ...
+
+    def load_versioned(self, state: dict, version: int) -> None:
+        """`Engine.load_weights(state)` of a whole state, which every replica then holds as
+        `version`."""
+        ...
+
+    def load_delta(self, delta: StateDelta) -> None:
+        """Apply `delta` (from version `delta.base` to `delta.version`) in every replica, in
+        place, with the effect of a whole push of the new version: no output is computed from
+        the previous weights after it returns. A replica that holds another version than
+        `delta.base` raises `StaleWeights` and takes nothing (one that already holds
+        `delta.version` takes nothing and does not raise)."""
+        ...
+
+
+class StaleWeights(RuntimeError):
+    """A weight delta sent to an engine that does not hold the version it was encoded from."""

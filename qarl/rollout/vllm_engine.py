@@ -248,6 +248,13 @@ class VLLMEngine:
                 install_checkpoint_tensors(layer, layer_tensors[name])
         self.last_sync_seconds = time.perf_counter() - start
 
+    def delta_loader(self) -> None:
+        """None: whole states only. vLLM's CPU int8 layers hand their codes to oneDNN, which
+        repacks a layer's whole weight (`process_weights_after_loading`); a delta could patch
+        the qarl copy, but every layer whose codes changed would still be converted and
+        repacked whole, and after a step nearly every layer has a changed code."""
+        return None
+
     def qweights(self) -> dict:
         """The codes and scales of the qarl copy, which are the ones vLLM serves
         (`Engine.qweights`)."""

@@ -13,6 +13,7 @@ engine's weights differ: each format quantizes the linears inside the decoder bl
     .venv/bin/python benchmarks/task_suitability.py                           # every default cell
     .venv/bin/python benchmarks/task_suitability.py --problems 48 --results   # the page's table
     .venv/bin/python benchmarks/task_suitability.py --tasks addition chain_sum --formats fp32 int8
+    .venv/bin/python benchmarks/task_suitability.py --cells cells.json   # resumable, cell by cell
     .venv/bin/python benchmarks/task_suitability.py --task \
         'sums3=reasoning_gym:{"dataset": "chain_sum", "max_terms": 3}'        # a task of your own
 
@@ -26,6 +27,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -65,12 +67,12 @@ FORMATS = [
     ("int8", "w8a8-int8", {}),
     ("fp8", "w8a8-fp8", {}),
     ("int4-g32", "w4a16-int4", {"group_size": 32}),
-    ("int4-g128", "w4a16-int4", {"group_size": 128}),
+    ("int4-g64", "w4a16-int4", {"group_size": 64}),  # 128 does not divide SmolLM2's 576
     ("nvfp4", "w4a16-nvfp4", {}),
     ("w4a8", "w4a8-int", {}),
 ]
 FORMAT_NAMES = {"fp32": "full precision", "int8": "W8A8 int8", "fp8": "W8A8 FP8",
-                "int4-g32": "W4A16 int4 g32", "int4-g128": "W4A16 int4 g128",
+                "int4-g32": "W4A16 int4 g32", "int4-g64": "W4A16 int4 g64",
                 "nvfp4": "W4A16 NVFP4", "w4a8": "W4A8 int"}
 
 
@@ -116,13 +118,27 @@ def measure(args, tasks, formats) -> dict:
         encoder = PromptEncoder(TaskSection(name=name, options=options,
                                             max_prompt_tokens=1024), tokenizer, task)
         prepared.append((label, task, encoder, task.examples("eval", args.problems, args.seed)))
+    settings = {"model": args.model, "problems": args.problems, "seed": args.seed,
+                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
     cells: dict[str, dict[str, dict]] = {label: {} for label, *_ in tasks}
+    kept = json.loads(args.cells.read_text()) if args.cells and args.cells.is_file() else None
+    if kept is not None and kept["settings"] != settings:
+        raise SystemExit(f"{args.cells} holds cells measured with {kept['settings']}, not "
+                         f"{settings}; give another --cells file")
     for fmt, scheme, options in formats:
-        engine = LocalEngine.from_tokenizer(engine_copy(model, QuantSection(
-            scheme=scheme, options=options)), tokenizer)
+        engine = None
         for label, task, encoder, examples in prepared:
+            done = (kept or {}).get("cells", {}).get(label, {}).get(fmt)
+            if done is not None:  # measured by an earlier invocation with these settings
+                cells[label][fmt] = done
+                continue
+            engine = engine or LocalEngine.from_tokenizer(engine_copy(model, QuantSection(
+                scheme=scheme, options=options)), tokenizer)
             cells[label][fmt] = score_cell(engine, tokenizer, task, encoder, examples, sampling,
                                            args.seed)
+            if args.cells:  # after every cell, so an interrupted run resumes where it stopped
+                args.cells.parent.mkdir(parents=True, exist_ok=True)
+                args.cells.write_text(json.dumps({"settings": settings, "cells": cells}))
             cell = cells[label][fmt]
             print(f"{label:>18} {fmt:>10} accuracy={cell['accuracy']:.3f} "
                   f"length={cell['length_mean']:.1f} ({cell['seconds']:.0f} s)", file=sys.stderr)
@@ -177,6 +193,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cells", type=Path, default=None,
+                        help="keep each measured cell in this JSON file and skip the cells it "
+                        "already holds (same model, problems, tokens, temperature and seed)")
     parser.add_argument("--results", action="store_true",
                         help="write the table into docs/results.md (section task-suitability)")
     args = parser.parse_args()

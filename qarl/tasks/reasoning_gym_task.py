@@ -237,25 +237,25 @@ class ReasoningGymTask:
 _GENERATORS: OrderedDict[str, Any] = OrderedDict()  # a worker's recent generators, by source
 
 
-def _entry(source: dict[str, Any]) -> dict[str, Any]:
-    """The problem a source names, regenerated (the generator cached per seed and size)."""
+def _entry(source: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """(the generator, the problem) a source names, regenerated; generators are cached per
+    seed and size."""
     key = json.dumps({k: v for k, v in source.items() if k != "index"}, sort_keys=True)
     if key not in _GENERATORS:
         _GENERATORS[key] = make_generator(source["dataset"], source["params"], source["seed"],
                                           source["size"])
         while len(_GENERATORS) > 16:
             _GENERATORS.popitem(last=False)
-    return _GENERATORS[key][source["index"]]
+    generator = _GENERATORS[key]
+    return generator, generator[source["index"]]
 
 
 def reasoning_gym_reward(prompt: str, completion: str, source: dict[str, Any],
                          fallback: bool = True, **fields: Any) -> float:
     """The generator's own `score_answer` on the answer extracted from `completion`."""
-    entry = _entry(source)
+    generator, entry = _entry(source)
     if entry["question"] != prompt:
         raise ValueError(f"reasoning-gym {source['dataset']!r} regenerated another problem "
                          f"for {source}: its generation is not deterministic in the seed")
-    generator = _GENERATORS[json.dumps({k: v for k, v in source.items() if k != "index"},
-                                       sort_keys=True)]
     return float(generator.score_answer(answer=extract_answer(completion, fallback),
                                         entry=entry))

@@ -32,6 +32,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -84,12 +85,30 @@ class PartDelta:
                    if t is not None)
 
 
+def _pack_bits(mask: Tensor) -> Tensor:
+    """[n] bool -> [ceil(n/8)] uint8: bit j of byte i says whether element 8 i + j is set
+    (numpy's packbits on the CPU, many times faster than torch's shifts and sums)."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
+    padded = nn.functional.pad(mask, (0, -mask.numel() % 8)).view(-1, 8).to(torch.uint8)
+    return (padded << torch.arange(8, dtype=torch.uint8, device=mask.device)).sum(
+        1, dtype=torch.uint8)
+
+
+def _unpack_bits(packed: Tensor, n: int) -> Tensor:
+    """Inverse of `_pack_bits`: [n] bool."""
+    if packed.device.type == "cpu":
+        return torch.from_numpy(np.unpackbits(packed.numpy(), count=n, bitorder="little")).bool()
+    bits = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed[:, None] >> bits) & 1).view(-1)[:n].bool()
+
+
 def encode_part(held: Tensor, new: Tensor) -> PartDelta | None:
     """The change from `held` to `new` (same shape and dtype) in its smallest encoding; None
     when every bit is the same."""
     a, b = _bits(held), _bits(new)
     changed = a != b  # [n] bool
-    count = int(changed.sum())
+    count = int(torch.count_nonzero(changed))  # (a bool sum would widen to int64 first)
     if count == 0:
         return None
     sizes = encoded_bytes(b.numel(), count, b.element_size())
@@ -97,11 +116,7 @@ def encode_part(held: Tensor, new: Tensor) -> PartDelta | None:
     if encoding == "whole":
         return PartDelta("whole", b.numel(), count, b)
     if encoding == "bitmask":
-        padded = nn.functional.pad(changed, (0, -b.numel() % 8)).view(-1, 8).to(torch.uint8)
-        # bit j of byte i: element 8 i + j changed
-        mask = (padded << torch.arange(8, dtype=torch.uint8, device=b.device)).sum(
-            1, dtype=torch.uint8)
-        return PartDelta("bitmask", b.numel(), count, b[changed], where=mask)
+        return PartDelta("bitmask", b.numel(), count, b[changed], where=_pack_bits(changed))
     index = changed.nonzero().squeeze(1)  # [c] int64, ascending
     counts = torch.bincount(index >> 16, minlength=math.ceil(b.numel() / BLOCK))
     return PartDelta("offsets16", b.numel(), count, b[index],
@@ -121,9 +136,7 @@ def apply_part(target: Tensor, delta: PartDelta) -> None:
     if delta.encoding == "whole":
         flat.copy_(values)
     elif delta.encoding == "bitmask":
-        bits = torch.arange(8, dtype=torch.uint8, device=flat.device)
-        mask = ((delta.where.to(flat.device)[:, None] >> bits) & 1).view(-1)[:flat.numel()]
-        flat.masked_scatter_(mask.bool(), values)
+        flat.masked_scatter_(_unpack_bits(delta.where, flat.numel()).to(flat.device), values)
     else:  # offsets16: block start + offset within it
         starts = torch.arange(len(delta.counts), device=flat.device) * BLOCK
         index = starts.repeat_interleave(delta.counts.to(flat.device).long())

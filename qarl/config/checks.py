@@ -231,6 +231,27 @@ def engine_fits(model, rollout, quant) -> list[Problem]:
     return problems + [Problem(path, message) for path, message in kind.problems(rollout, quant)]
 
 
+def sync_delta_fits(quant, rollout, lora) -> list[Problem]:
+    """quant.sync_delta = true needs pushes of codes to an engine that takes deltas: a
+    quantized scheme, fake or kernel alignment, an engine kind that takes them (the local
+    engine), and no LoRA adapters (whose pushes are the adapters alone)."""
+    if quant.sync_delta is not True:
+        return []
+    why = []
+    if quant.scheme in SCHEMES and SCHEMES[quant.scheme].is_identity:
+        why.append(f"quant.scheme = {quant.scheme!r} has no codes")
+    if quant.align == "naive":
+        why.append("quant.align = 'naive' pushes full-precision weights")
+    if not ENGINES[rollout.engine].deltas:
+        why.append(f"rollout.engine = {rollout.engine!r} takes whole states only")
+    if lora.rank:
+        why.append("a LoRA run pushes its adapters alone")
+    if not why:
+        return []
+    return [Problem("quant.sync_delta", f"true, but {'; '.join(why)}; set it to 'auto' or "
+                    "false")]
+
+
 def truncation_is_recorded(rollout) -> list[Problem]:
     """Truncated sampling (top_p < 1, top_k > 0 or min_p > 0) with the correction on needs the
     sampler's kept sets, which only qarl's own engine records."""
@@ -345,6 +366,7 @@ CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
     (("model", "task", "rollout", "eval"), context_fits),
     (("model", "rollout", "quant"), engine_fits),
     (("rollout",), truncation_is_recorded),
+    (("quant", "rollout", "lora"), sync_delta_fits),
     (("log",), tensorboard_available),
     (("log",), wandb_available),
     (("dist", "rollout", "train"), dist_is_possible),

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from qarl.config.section import CHECK
+from qarl.config.section import CHECK, SPEED
 from qarl.config.section import SECTION as _SECTION
 from qarl.quant import ALIGNS
 
@@ -89,6 +89,20 @@ class QuantSection(BaseModel):
         "each engine replica holds with what the learner pushed; a difference stops the run "
         "naming the layers. Its cost is contract/seconds in a step's metrics.",
         json_schema_extra=CHECK,
+    )
+    sync_delta: Literal["auto"] | bool = Field(
+        "auto",
+        description="After the first weight push, send the engine only the codes and scales "
+        "that changed since the version it holds (and every other tensor whole), in the "
+        "smallest of three encodings per tensor; a whole push to a new or restarted engine, "
+        "and where a delta would not be smaller. The engine's weights are the same bits "
+        "either way (the per-sync digests check them). true needs a quantized scheme, an "
+        "aligned learner (fake or kernel), rollout.engine = 'local' and no LoRA. 'auto': on "
+        "where a push crosses machines (Ray rollout workers on other nodes than the learner); "
+        "on one machine a whole push is a memory copy or a hand-over by reference, which the "
+        "delta's encoding does not beat. docs/training.md, 'Weight sync'; measured by "
+        "benchmarks/sync_delta.py.",
+        json_schema_extra=SPEED,
     )
     over_budget: Literal["flag", "stop"] = Field(
         "flag",

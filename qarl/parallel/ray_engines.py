@@ -112,6 +112,9 @@ class EngineWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
 
 class RayEngines:
     """`num_workers` engines, actor k's built by `factory(k)` in that actor; implements
@@ -139,6 +142,10 @@ class RayEngines:
                 "lower dist.rollout_workers")
         self.pad_token_id: int = ray.get(pads[0])
         self._takes_deltas: bool = ray.get(self.workers[0].takes_deltas.remote())
+        # DeltaLoader.crosses_machines: an actor on another node than this process
+        here = ray.get_runtime_context().get_node_id()
+        self.crosses_machines = any(
+            node != here for node in ray.get([w.node_id.remote() for w in self.workers]))
         self.restarts = 0
         # ObjectRefs reinstalled after a restart: the last whole state pushed (with its
         # version, None when pushed without one), and after it the last partial one (a LoRA

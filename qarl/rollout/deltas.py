@@ -16,6 +16,8 @@ from qarl.rollout.protocol import StaleWeights
 class EngineDeltas:
     """`DeltaLoader` over an engine with `model`, `load_weights` and `weight_version`."""
 
+    crosses_machines = False  # the engine is in this process
+
     def __init__(self, engine):
         self.engine = engine
 

@@ -122,6 +122,10 @@ class DeltaLoader(Protocol):
     deltas from each version to the next, and a whole state again to any replica that holds
     another version (new, restarted, or one that missed a push)."""
 
+    # whether a push to it crosses machines (Ray actors on other nodes than the learner):
+    # where a delta's fewer bytes can pay for its encoding (`quant.sync_delta = "auto"`)
+    crosses_machines: bool
+
     def versions(self) -> list[int | None]:
         """Per replica (one, or one per Ray actor): the weight version it holds; None for an
         engine whose weights came another way (a plain `load_weights`, or none yet)."""

@@ -36,7 +36,7 @@ from qarl.train.learner.optim import build_optimizer
 from qarl.train.learner.passes import Passes
 from qarl.train.learner.precision import Precision
 from qarl.train.learner.reference import Reference
-from qarl.train.sync import WeightSync
+from qarl.train.sync import WeightSync, sync_deltas
 
 
 @dataclass
@@ -189,6 +189,7 @@ def build_policy(config: RunConfig, tokenizer: Tokenizer, learner: CausalLM | No
     exact = replay_is_exact(config, bool(learner.config.moe_layers))
     audit = ReplayAudit(exact, config.train.audit_fraction, config.train.audit_full_every)
     return Policy(AlignedLearner(passes, optimizers),
-                  engine, WeightSync(learner, engine, config.quant.sync_check, adapters),
+                  engine, WeightSync(learner, engine, config.quant.sync_check, adapters,
+                                     delta=sync_deltas(config, engine)),
                   quantized=not identity, audit=audit,
                   contract=RunContract(config, exact), reference=reference)

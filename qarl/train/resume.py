@@ -32,7 +32,8 @@ RESUME_FREE = ("train.steps", "train.micro_batch_size", "train.device",
                "train.audit_fraction",
                "train.audit_full_every", "run.output_dir", "run.name", "run.resume", "log.",
                "dist.", "monitor.", "quant.contract_exempt", "quant.sync_check",
-               "quant.over_budget", "quant.budget_factor", "task.reward_error_warn")
+               "quant.sync_delta", "quant.over_budget", "quant.budget_factor",
+               "task.reward_error_warn")
 
 
 def _free(key: str) -> bool:

@@ -6,8 +6,25 @@ deployed low-bit policy at all (at small learning rates most int8 codes do not m
 - `sync/scale_rel_drift`: mean |s_new - s_old| / |s_old| over the per-channel/group scales;
 - `sync/seconds`, `sync/megabytes`: time of export + install (+ the engine's own quantization
   in the naive setup, where it receives full-precision weights) and the size of what was sent
-  (a LoRA run, after its first push: the adapters only).
-The comparison reads the engine's QuantLinear layers, so it means the same in every mode.
+  (a LoRA run, after its first push: the adapters only; a delta: the delta);
+- `sync/full_megabytes`: the size of the whole state, what a whole push sends;
+  `sync/delta`: 1 when the push was a delta.
+Where deltas are off the comparison reads the engine's QuantLinear layers, so it means the
+same in every mode; with deltas, the QWeights of the learner's previous push, which the
+engine holds (the digests say so).
+
+Deltas (`quant.sync_delta`, resolved by `sync_deltas`: by default where a push crosses
+machines): where the engine takes them (`Engine.delta_loader`: the local engine, and Ray
+workers of it), each push after the first sends only the codes and scales that changed
+since the previous push (`qarl.quant.delta`), and every other tensor whole. A push is whole instead when a replica holds another version
+than the previous push (`DeltaLoader.versions`: a new or restarted engine, one that missed a
+push), when a layer's layout changed, when the delta is not smaller than the whole state,
+and when the deltas since the last whole push would add up to more bytes of codes and
+scales than that push held: so a restarted Ray actor, which replays the last whole push and
+the deltas since, never replays more than two whole pushes, and the object store holds no
+more. The learner side keeps the QWeights of its previous push (the base of the next delta):
+the learner's own cached codes, held until the push after its next quantization. A LoRA run
+pushes its adapters after the first push, never a delta of the frozen codes.
 
 And checks the quantization contract (qarl/quant/contract.py) at every push: before the
 engine takes a whole state, each layer's codes must come in the quantizer settings the
@@ -15,7 +32,8 @@ engine's layer decodes with (`refuse_other_settings`); after it, where `quant.sy
 on (the default), the digests of what each engine replica now holds
 (`Engine.weight_digests`, computed where the engine runs: a Ray actor sends digests, not
 weights) must equal those of what the learner pushed, else `ContractBroken` names the replica
-and the layers, before the engine samples from them. `contract/seconds` is its cost.
+and the layers, before the engine samples from them: after a delta, as after a whole push,
+the whole state is compared. `contract/seconds` is its cost.
 `contract_table` is the layer table a run checks and saves at its start.
 """
 
@@ -25,46 +43,89 @@ import time
 
 import torch
 
-from qarl.config import QuantSection
-from qarl.quant import QWeight, export_state
+from qarl.config import QuantSection, RunConfig
+from qarl.quant import SCHEMES, QWeight, export_state
 from qarl.quant.contract import ContractBroken, LayerRow, layer_table, settings_mismatches
+from qarl.quant.delta import StateDelta, encode_state, tensors_bytes
 from qarl.quant.digests import digest_mismatches, state_digests
-
+from qarl.rollout import ENGINES
 
 class WeightSync:
     """`adapters`: the learner's LoRA tensor names (qarl.lora.layers): after the first push,
-    which gives the engine the whole (frozen) base, only those go to the engine."""
+    which gives the engine the whole (frozen) base, only those go to the engine. `delta`:
+    push deltas where the engine takes them (module docstring)."""
 
-    def __init__(self, learner, engine, check: bool = True, adapters: list[str] = ()):
+    def __init__(self, learner, engine, check: bool = True, adapters: list[str] = (),
+                 delta: bool = False):
         self.learner, self.engine, self.check = learner, engine, check
         self.adapters = list(adapters)
-        self.previous: dict[str, QWeight] = {}
+        self.delta = delta and not self.adapters and engine.delta_loader() is not None
+        self.previous: dict[str, QWeight] = {}  # what the engine decoded with before this push
         self.pushed = False
+        self.version = 0  # the weight version of the last push (deltas)
+        self.chain_bytes = 0  # deltas' codes and scales since the last whole push
+        self.whole_bytes = 0  # that whole push's codes and scales
 
     def push(self) -> dict[str, float]:
         start = time.perf_counter()
         state = export_state(self.learner)
-        if self.adapters and self.pushed:  # the frozen base is already there
-            sent = {name: state[name] for name in self.adapters}
-            self.engine.load_weights(sent, partial=True)
+        loader = self.engine.delta_loader() if self.delta else None
+        delta = self.encode(state, loader) if loader is not None else None
+        changes, measuring = {}, 0.0
+        if self.delta:  # the engine holds the QWeights pushed (the digests check it): reading
+            # them back from Ray actors would move the whole state the other way
+            current = {k.removesuffix(".weight"): v for k, v in state.items()
+                       if isinstance(v, QWeight)}
+            if self.previous:  # before a delta patches them (in this process, in place)
+                measuring = time.perf_counter()
+                changes = code_changes(self.previous, current,
+                                       None if delta is None else delta.changed("codes"))
+                measuring = time.perf_counter() - measuring  # not the sync's own time
+        if delta is not None:
+            sent = delta.nbytes()
+            loader.load_delta(delta)
+            self.chain_bytes += delta.qweight_bytes()
+        elif self.adapters and self.pushed:  # the frozen base is already there
+            adapters = {name: state[name] for name in self.adapters}
+            sent = state_bytes(adapters)
+            self.engine.load_weights(adapters, partial=True)
         else:  # (an engine that takes no partial state is asked for whole ones only)
-            sent = state
-            self.refuse_other_settings(sent)
-            self.engine.load_weights(sent)
-        self.pushed = True
-        current = self.engine.qweights()
-        seconds = time.perf_counter() - start
-        megabytes = sum(v.nbytes() if isinstance(v, QWeight) else v.numel() * v.element_size()
-                        for v in sent.values()) / 2**20
-        metrics = {"sync/seconds": seconds, "sync/megabytes": megabytes}
+            sent = state_bytes(state)
+            self.refuse_other_settings(state)
+            if loader is None:
+                self.engine.load_weights(state)
+            else:
+                loader.load_versioned(state, self.version + 1)
+                self.chain_bytes = 0
+                self.whole_bytes = state_bytes(current)
+        self.pushed, self.version = True, self.version + 1
+        if not self.delta:
+            current = self.engine.qweights()
+        seconds = time.perf_counter() - start - measuring
+        if not self.delta and self.previous and current:
+            changes = code_changes(self.previous, current)
+        metrics = {"sync/seconds": seconds, "sync/megabytes": sent / 2**20,
+                   "sync/full_megabytes": state_bytes(state) / 2**20,
+                   "sync/delta": float(delta is not None), **changes}
         if self.check:  # the whole state: the base the engine holds must still be the learner's
             start = time.perf_counter()
             self.verify(state)
             metrics["contract/seconds"] = time.perf_counter() - start
-        if self.previous and current:
-            metrics.update(code_changes(self.previous, current))
         self.previous = current
         return metrics
+
+    def encode(self, state: dict, loader) -> StateDelta | None:
+        """The delta from the previous push to `state`, where one may be sent (module
+        docstring); None for a whole push."""
+        if not self.previous or any(v != self.version for v in loader.versions()):
+            return None
+        held = {f"{name}.weight": qw for name, qw in self.previous.items()}
+        delta = encode_state(held, state, self.version, self.version + 1)
+        if delta is None or delta.nbytes() >= state_bytes(state):
+            return None
+        if self.chain_bytes + delta.qweight_bytes() > self.whole_bytes:
+            return None  # a restart would replay more than a whole push: anchor again
+        return delta
 
     def refuse_other_settings(self, sent: dict) -> None:
         """Raise ContractBroken, before the engine takes `sent`, where a layer's codes come in
@@ -93,6 +154,15 @@ class WeightSync:
                     "learner is not training (a dropped or stale layer, or an engine that "
                     "changes what it is given); the run stopped before it did")
 
+    def describe(self) -> str:
+        """One line for the run's log: how the pushes travel."""
+        if self.adapters:
+            return "weight sync: the whole state once, then the LoRA adapters alone"
+        if self.delta:
+            return ("weight sync: deltas of the codes and scales after a whole first push "
+                    "(quant.sync_delta)")
+        return "weight sync: the whole state every step"
+
     def contract_table(self, quant: QuantSection) -> list[LayerRow]:
         """The layer table of the quantization contract: the learner's layers next to the
         engine's (qarl.quant.contract.layer_table), for the recipe's [quant]."""
@@ -100,14 +170,43 @@ class WeightSync:
                            quant.include, quant.exclude, quant.contract_exempt)
 
 
-def code_changes(old: dict[str, QWeight], new: dict[str, QWeight]) -> dict[str, float]:
-    changed = total = 0
+def sync_deltas(config: RunConfig, engine) -> bool:
+    """`quant.sync_delta` resolved for `engine`: whether the run's pushes may be deltas.
+    'auto': where deltas apply (the recipe checks refuse true elsewhere: `sync_delta_fits`)
+    and a push crosses machines (`DeltaLoader.crosses_machines`: Ray rollout workers on other
+    nodes). On one machine a whole push is a copy through shared memory, or in the learner's
+    own process a hand-over by reference, that the delta's encoding does not beat
+    (benchmarks/sync_delta.py); a delta also makes the in-process engine keep its own copy of
+    the codes."""
+    quant = config.quant
+    applies = (not SCHEMES[quant.scheme].is_identity and quant.align != "naive"
+               and ENGINES[config.rollout.engine].deltas and not config.lora.rank)
+    if quant.sync_delta == "auto":
+        loader = engine.delta_loader() if applies else None
+        return loader is not None and loader.crosses_machines
+    return quant.sync_delta and applies
+
+
+def state_bytes(state: dict) -> int:
+    """Bytes of a pushed state: its QWeights serialized, its tensors' bytes (a tied weight
+    once)."""
+    return (sum(v.nbytes() for v in state.values() if isinstance(v, QWeight))
+            + tensors_bytes(v for v in state.values() if not isinstance(v, QWeight)))
+
+
+def code_changes(old: dict[str, QWeight], new: dict[str, QWeight],
+                 changed: int | None = None) -> dict[str, float]:
+    """`changed`: the changed codes where a delta counted them already."""
+    count = changed is None
+    changed, total = changed or 0, 0
     drift_sum, drift_count = 0.0, 0
     for name, qw in new.items():
         before = old[name]
         # codes of sub-byte formats are packed bytes: a changed byte = a changed code pair;
         # bytes differ where their uint8 difference is not zero (one pass, no bool tensor)
-        changed += int(torch.count_nonzero(qw.codes.view(torch.uint8) - before.codes.view(torch.uint8)))
+        if count:
+            changed += int(torch.count_nonzero(
+                qw.codes.view(torch.uint8) - before.codes.view(torch.uint8)))
         total += qw.codes.numel()
         if qw.scales is not None:
             s_old, s_new = before.scales.float(), qw.scales.float()

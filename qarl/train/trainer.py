@@ -198,6 +198,7 @@ class Loop:
         passes = self.policy.learner.passes
         self.log.write(f"learner on {self.policy.device}, gradient pass: "
                        + passes.precision.describe())
+        self.log.write(self.policy.sync.describe())
         if self.config.train.logp_path == "forward":
             self.log.write(passes.values_line())
         self.rng = checkpoint.capture_rng()  # the state a checkpoint of `done` steps holds

@@ -185,3 +185,42 @@ def test_lora_adapters_reach_every_worker_and_survive_a_restart(ray_session, tmp
         engines.close()
     for field in FIELDS:
         assert torch.equal(getattr(want, field), getattr(got, field)), field
+
+
+def test_delta_pushes_reach_every_worker_and_survive_a_restart(ray_session, tmp_path):
+    """Delta sync on Ray workers: a whole push, then deltas after updates (each one's digests
+    checked in every actor); an actor killed mid-shard after two deltas comes back with the
+    whole push and both deltas replayed, so the joined batch is torch.equal to an in-process
+    engine given the learner's state whole; the push after it is a delta again, and the
+    restarted actor's digests pass."""
+    from qarl.train.sync import WeightSync
+
+    config = _config(tmp_path, 2)
+    with open_run(_config(tmp_path, 1), learner=copy.deepcopy(warm_start(config))) as (
+            _, policy, data):
+        learner, prompts = policy.learner.model, _step_prompts(config, data, step=1)
+        engines = RayEngines(partial(_dies_once, config, str(tmp_path / "died")), 2)
+        try:
+            assert not engines.crosses_machines  # one machine: 'auto' would not send deltas
+            sync = WeightSync(learner, engines, delta=True)
+            g = torch.Generator().manual_seed(0)
+            flags = []
+            for push in range(3):
+                with torch.no_grad():  # a few weights each: deltas far below their bound
+                    for p in learner.parameters():
+                        moved = torch.rand(p.shape, generator=g) < 0.01 * (push > 0)
+                        p.add_(1e-2 * torch.randn(p.shape, generator=g) * moved)
+                flags.append(sync.push()["sync/delta"])
+            assert flags == [0, 1, 1]
+            got = engines.generate(prompts, sampling_params(config.rollout), seed=7)
+            assert (tmp_path / "died").exists() and engines.restarts == 1
+            assert engines.versions() == [3, 3]
+            policy.sync.push()  # the in-process engine: the learner's state, whole
+            want = policy.engine.generate(prompts, sampling_params(config.rollout), seed=7)
+            with torch.no_grad():
+                learner.get_submodule("model.layers.0.mlp.up_proj").weight.mul_(1.01)
+            assert sync.push()["sync/delta"] == 1
+        finally:
+            engines.close()
+    for field in FIELDS:
+        assert torch.equal(getattr(want, field), getattr(got, field)), field

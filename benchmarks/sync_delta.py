@@ -48,14 +48,16 @@ from qarl.train.sync import WeightSync, state_bytes  # noqa: E402
 from qarl.train.trainer import rl_step  # noqa: E402
 
 MB = 2**20
-# Larger models for the arithmetic: (linear params, other params) from their published
-# shapes. Qwen2.5-0.5B: 24 layers, hidden 896, MLP 4864, 14 query / 2 key-value heads of 64,
-# tied 151936-token embedding. Llama-3.1-8B: 32 layers, hidden 4096, MLP 14336, 32 / 8 heads
-# of 128, 128256-token embedding and a separate lm_head. Norms counted; biases ignored.
+# Larger models for the arithmetic, from their published shapes: (layers, the [N, K] of each
+# block's linears, other params). Qwen2.5-0.5B: 24 layers, hidden 896, MLP 4864, 14 query /
+# 2 key-value heads of 64, tied 151936-token embedding. Llama-3.1-8B: 32 layers, hidden 4096,
+# MLP 14336, 32 / 8 heads of 128, 128256-token embedding and a separate lm_head. Norms
+# counted; biases ignored.
 MODELS = {
-    "Qwen2.5-0.5B": (24 * (2 * 896 * 896 + 2 * 896 * 128 + 3 * 896 * 4864),
-                     151936 * 896 + 896 * (2 * 24 + 1)),
-    "Llama-3.1-8B": (32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336),
+    "Qwen2.5-0.5B": (24, [(896, 896), (128, 896), (128, 896), (896, 896), (4864, 896),
+                          (4864, 896), (896, 4864)], 151936 * 896 + 896 * (2 * 24 + 1)),
+    "Llama-3.1-8B": (32, [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096),
+                          (14336, 4096), (14336, 4096), (4096, 14336)],
                      2 * 128256 * 4096 + 4096 * (2 * 32 + 1)),
 }
 CODE_BITS = {"w8a8-int8": 8, "w4a16-int4": 4}
@@ -151,25 +153,31 @@ def summarize(recipe: str, scheme: str, state: dict, rows: list[dict]) -> dict:
 
 def arithmetic(results: list[dict]) -> list[dict]:
     """Per larger model and format, from the default recipe's mean change fractions: the
-    whole push and a delta, in GB. Codes: params x bits / 8 bytes, of which a delta sends the
-    smallest encoding of the measured fraction; scales: whole (their measured fraction is
-    near 1): int8 per output channel (fp32, negligible), int4 per 64 weights (bf16); other
+    whole push and a delta, in GB. Codes: params x bits / 8 bytes; scales: int8 one fp32 per
+    output channel, int4 one bf16 per 64 weights; a delta sends each in the smallest encoding
+    of its measured fraction (`encoded_bytes`, over the whole model as one tensor); the other
     tensors whole, in the learner's fp32 (what qarl pushes)."""
     out = []
     for r in results:
         if r["recipe"] != "default" or r["scheme"] not in CODE_BITS:
             continue
-        f = sum(r["codes_changed"]) / len(r["codes_changed"])
-        for model, (linear, other) in MODELS.items():
+        f_codes = sum(r["codes_changed"]) / len(r["codes_changed"])
+        f_scales = sum(r["scales_changed"]) / len(r["scales_changed"])
+        int4 = r["scheme"] == "w4a16-int4"
+        for model, (layers, shapes, other) in MODELS.items():
+            linear = layers * sum(n * k for n, k in shapes)
             codes = linear * CODE_BITS[r["scheme"]] // 8
-            scales = linear * 2 // 64 if r["scheme"] == "w4a16-int4" else 0
-            sizes = encoded_bytes(codes, round(f * codes), 1)
-            best = min(sizes, key=sizes.get)
-            out.append({"model": model, "scheme": r["scheme"], "codes_changed": f,
-                        "encoding": best, "whole_gb": (codes + scales + 4 * other) / 1e9,
-                        "delta_gb": (sizes[best] + scales + 4 * other) / 1e9,
-                        "codes_scales_whole_gb": (codes + scales) / 1e9,
-                        "codes_scales_delta_gb": (sizes[best] + scales) / 1e9})
+            scale_n, width = (linear // 64, 2) if int4 else (layers * sum(n for n, _ in shapes), 4)
+            code_sizes = encoded_bytes(codes, round(f_codes * codes), 1)
+            scale_sizes = encoded_bytes(scale_n, round(f_scales * scale_n), width)
+            best = min(code_sizes, key=code_sizes.get)
+            delta = code_sizes[best] + min(scale_sizes.values())
+            out.append({"model": model, "scheme": r["scheme"], "codes_changed": f_codes,
+                        "scales_changed": f_scales, "encoding": best,
+                        "whole_gb": (codes + scale_n * width + 4 * other) / 1e9,
+                        "delta_gb": (delta + 4 * other) / 1e9,
+                        "codes_scales_whole_gb": (codes + scale_n * width) / 1e9,
+                        "codes_scales_delta_gb": delta / 1e9})
     return out
 
 
@@ -195,10 +203,11 @@ def markdown(results: list[dict], sums: list[dict]) -> str:
             f"{'-' if delta is None else f'{delta:.1f}'} / {'-' if ray is None else f'{ray:.1f}'}"
             f" | {a['local delta']['deltas']}{ray_n} of {r['steps']} | "
             f"{a['local whole']['s_mean']:.3f} / {a['local delta']['s_mean']:.3f} | {ray_s} |")
-    lines += ["", "| model | format | codes changed | encoding | whole push GB | delta GB | "
-              "codes + scales: whole / delta GB |", "|" + "---|" * 7]
+    lines += ["", "| model | format | codes / scales changed | codes encoding | whole push GB | "
+              "delta GB | codes + scales: whole / delta GB |", "|" + "---|" * 7]
     for s in sums:
-        lines.append(f"| {s['model']} | `{s['scheme']}` | {100 * s['codes_changed']:.2f}% | "
+        lines.append(f"| {s['model']} | `{s['scheme']}` | {100 * s['codes_changed']:.2f}% / "
+                     f"{100 * s['scales_changed']:.2f}% | "
                      f"{s['encoding']} | {s['whole_gb']:.2f} | {s['delta_gb']:.2f} | "
                      f"{s['codes_scales_whole_gb']:.2f} / {s['codes_scales_delta_gb']:.3f} |")
     return "\n".join(lines)
@@ -216,10 +225,11 @@ def notes(results: list[dict], workers: int) -> str:
             "(codes already quantized by the step), the encoding and the install, digest check "
             "excluded; the in-process whole push hands the engine the learner's tensors by "
             "reference. The machine is shared with other work while it runs: seconds are noisy, "
-            "bytes are not. The model rows apply the default recipe's mean codes fraction to "
-            "published shapes (bytes = params x bits / 8 in the smallest encoding of that "
-            "fraction, + scales whole, + the other tensors whole in fp32 as qarl pushes them): "
-            "the fraction of a larger model at its own learning rate may differ.")
+            "bytes are not. The model rows apply the default recipe's mean fractions to "
+            "published shapes: codes = params x bits / 8 and scales (int8: fp32 per output "
+            "channel; int4: bf16 per 64 weights), each in the smallest encoding of its fraction, "
+            "+ the other tensors whole in fp32 as qarl pushes them; the fractions of a larger "
+            "model at its own learning rate may differ.")
 
 
 def main() -> None:

@@ -155,9 +155,9 @@ def in_processes(args: argparse.Namespace, arms: list[str]) -> dict:
             "unit": "seconds per step (mean of steps 2..N), one process per arm and round"}
 
 
-def write_results(result: dict) -> None:
-    """`--results`: the arms' mean seconds per step and per phase into docs/results.md, with
-    the first arm's step against the second's as the glance."""
+def write_results(result: dict, section: str = "step-time") -> None:
+    """`--results`: the arms' mean seconds per step and per phase into docs/results.md (the
+    page's section `section`), with the first arm's step against the second's as the glance."""
     from results_page import this_command, write_section
 
     arms = result["arms"]
@@ -184,8 +184,8 @@ def write_results(result: dict) -> None:
         a, b = arms[first]["step"], arms[second]["step"]
         glance = (f"RL step, `{first}` vs `{second}` ({result['recipe']} recipe)",
                   f"{a / b:.2f}x the time ({a:.2f} s vs {b:.2f} s)")
-    write_section("step-time", "Seconds per RL step", this_command(), "\n".join(lines),
-                  notes=notes, glance=glance)
+    title = "Seconds per RL step" + ("" if section == "step-time" else f" ({section})")
+    write_section(section, title, this_command(), "\n".join(lines), notes=notes, glance=glance)
 
 
 def main() -> None:
@@ -202,6 +202,8 @@ def main() -> None:
                              "reversed every other round")
     parser.add_argument("--results", action="store_true",
                         help="write the arms' means into docs/results.md (section step-time)")
+    parser.add_argument("--section", default="step-time",
+                        help="the results page's section to write (e.g. kl-cost for a KL arm)")
     args = parser.parse_args()
     texts = args.arm or ["w8a8:", "none:quant.scheme=none"]
     if args.rounds > 0:
@@ -210,7 +212,7 @@ def main() -> None:
                       ignore_eos=args.ignore_eos, machine=machine())
         print(json.dumps(result, indent=1))
         if args.results:
-            write_results(result)
+            write_results(result, args.section)
         return
     arms = [_arm(text) for text in texts]
     tune_allocator()  # as qarl train does (QARL_MALLOC=default measures glibc's own)
@@ -225,7 +227,7 @@ def main() -> None:
                   loadavg_before=load_before, loadavg_after=os.getloadavg())
     print(json.dumps(result, indent=1))
     if args.results:
-        write_results(result)
+        write_results(result, args.section)
 
 
 if __name__ == "__main__":

@@ -143,19 +143,27 @@ class RolloutBatch:
         """The batch without its kept sets (the learner then scores the whole vocabulary)."""
         return replace(self, kept_counts=None, kept_ids=None)
 
-    def kept_mask(self, rows: Tensor, column: int, vocab: int) -> Tensor:
+    def kept_starts(self) -> Tensor:
+        """[N, L] int64: where each position's kept ids start in `kept_ids` (an exclusive
+        running sum of kept_counts in row-major order)."""
+        counts = self.kept_counts.long().flatten()
+        return (torch.cumsum(counts, 0) - counts).view(self.kept_counts.shape)
+
+    def kept_mask(self, rows: Tensor, column: int, vocab: int,
+                  starts: Tensor | None = None) -> Tensor:
         """[B, vocab] bool: True on the tokens the sampler kept at response column `column` of
-        rows `rows` ([B] int64). A position with no record (padding) keeps every token."""
-        counts = self.kept_counts.long()  # [N, L]
-        starts = (torch.cumsum(counts.flatten(), 0) - counts.flatten()).view(counts.shape)
-        return kept_rows_mask(self.kept_ids, starts[rows, column], counts[rows, column], vocab)
+        rows `rows` ([B] int64). A position with no record (padding) keeps every token.
+        `starts`: `kept_starts()`, computed once by a caller that asks column by column."""
+        starts = self.kept_starts() if starts is None else starts
+        return kept_rows_mask(self.kept_ids, starts[rows, column],
+                              self.kept_counts[rows, column].long(), vocab)
 
     def kept_token_mask(self, vocab: int) -> Tensor:
         """[T, vocab] bool for the T real response tokens in row-major order (the order of
         `response_ids[response_mask]`): True on the tokens kept at each."""
-        counts = self.kept_counts.long()[self.response_mask]  # [T]
-        starts = torch.cumsum(counts, 0) - counts
-        return kept_rows_mask(self.kept_ids, starts, counts, vocab)
+        mask = self.response_mask
+        return kept_rows_mask(self.kept_ids, self.kept_starts()[mask],
+                              self.kept_counts.long()[mask], vocab)
 
 
 def kept_rows_mask(ids: Tensor, starts: Tensor, counts: Tensor, vocab: int) -> Tensor:

@@ -264,6 +264,7 @@ class LocalEngine:
         live = torch.ones(N, dtype=torch.bool, device=device)  # [B] cache row still decoding
 
         logits = self._prefill(plan, ids, positions, cache, key_mask, prompt_mask, routing)
+        starts = None if recorded is None else recorded.kept_starts()  # once, not per step
         for t in range(budget):
             self.stop_check()
             if forced is None:
@@ -274,7 +275,7 @@ class LocalEngine:
             elif recorded is not None:
                 tokens = forced[rows, t]  # [B]
                 token_logp = kept_logprobs(logits, tokens, sampling.temperature,
-                                           recorded.kept_mask(rows, t, logits.shape[-1]))
+                                           recorded.kept_mask(rows, t, logits.shape[-1], starts))
             else:
                 tokens = forced[rows, t]  # [B]
                 token_logp = sampler_logprobs(logits, tokens, sampling)  # [B]
@@ -332,9 +333,8 @@ class LocalEngine:
 
 class KeptSets:
     """The tokens a truncating sampler kept, gathered step by step during `generate` and
-    compacted into `RolloutBatch.kept_counts` / `kept_ids` (row-major, ids ascending).
-    Per step only the kept ids are held, never a [N, L, V] mask (benchmarks/truncation.py
-    measures the cost)."""
+    compacted into `RolloutBatch.kept_counts` / `kept_ids` (row-major, ids ascending): only
+    kept ids are held, never a [N, L, V] mask (benchmarks/truncation.py measures the cost)."""
 
     def __init__(self, rows: int, budget: int):
         self.rows, self.budget = rows, budget

@@ -187,7 +187,7 @@ class _KeptChunks:
     def __init__(self, batch: RolloutBatch):
         self.ids = batch.kept_ids
         self.counts = batch.kept_counts.long()[batch.response_mask]  # [T]
-        self.starts = torch.cumsum(self.counts, 0) - self.counts  # [T]
+        self.starts = batch.kept_starts()[batch.response_mask]  # [T]
 
     def mask(self, start: int, size: int, vocab: int) -> Tensor:
         part = slice(start, start + size)

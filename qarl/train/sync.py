@@ -2,7 +2,10 @@
 
 Also measures what the engine now decodes with, so a run shows whether updates reach the
 deployed low-bit policy at all (at small learning rates most int8 codes do not move):
-- `sync/changed_code_frac`: fraction of weight codes that differ from the previous push;
+- `sync/changed_code_frac`: fraction of weight codes that differ from the previous push,
+  and `sync/changed_code_frac/<kind>` per kind of layer (`layer_kind`: q_proj ... down_proj,
+  lm_head where quantized), out of the same per-layer counts (`benchmarks/code_change.py`
+  reads them against the learning rate);
 - `sync/scale_rel_drift`: mean |s_new - s_old| / |s_old| over the per-channel/group scales;
 - `sync/seconds`, `sync/megabytes`: time of export + install (+ the engine's own quantization
   in the naive setup, where it receives full-precision weights) and the size of what was sent
@@ -78,8 +81,9 @@ class WeightSync:
                        if isinstance(v, QWeight)}
             if self.previous:  # before a delta patches them (in this process, in place)
                 measuring = time.perf_counter()
-                changes = code_changes(self.previous, current,
-                                       None if delta is None else delta.changed("codes"))
+                changes = code_changes(self.previous, current, None if delta is None else {
+                    k.removesuffix(".weight"): d.parts["codes"].changed
+                    for k, d in delta.qweights.items() if "codes" in d.parts})
                 measuring = time.perf_counter() - measuring  # not the sync's own time
         if delta is not None:
             sent = delta.nbytes()
@@ -194,20 +198,33 @@ def state_bytes(state: dict) -> int:
             + tensors_bytes(v for v in state.values() if not isinstance(v, QWeight)))
 
 
+def layer_kind(name: str) -> str:
+    """The kind of a quantized layer, its module name's last part: `q_proj`, `k_proj`,
+    `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`, `lm_head` (a MoE's experts count
+    with the dense projections of their name; its router, where quantized, is `gate`)."""
+    return name.rpartition(".")[2]
+
+
 def code_changes(old: dict[str, QWeight], new: dict[str, QWeight],
-                 changed: int | None = None) -> dict[str, float]:
-    """`changed`: the changed codes where a delta counted them already."""
-    count = changed is None
-    changed, total = changed or 0, 0
+                 changed: dict[str, int] | None = None) -> dict[str, float]:
+    """Fraction of codes in `new` that differ from `old` (layer name -> QWeight), over every
+    layer and per `layer_kind`, and the mean relative drift of the scales. `changed`: the
+    changed codes per layer where a delta counted them already (a layer it omits: none)."""
+    changed_by_kind: dict[str, int] = {}
+    total_by_kind: dict[str, int] = {}
     drift_sum, drift_count = 0.0, 0
     for name, qw in new.items():
         before = old[name]
+        kind = layer_kind(name)
         # codes of sub-byte formats are packed bytes: a changed byte = a changed code pair;
         # bytes differ where their uint8 difference is not zero (one pass, no bool tensor)
-        if count:
-            changed += int(torch.count_nonzero(
+        if changed is None:
+            moved = int(torch.count_nonzero(
                 qw.codes.view(torch.uint8) - before.codes.view(torch.uint8)))
-        total += qw.codes.numel()
+        else:
+            moved = changed.get(name, 0)
+        changed_by_kind[kind] = changed_by_kind.get(kind, 0) + moved
+        total_by_kind[kind] = total_by_kind.get(kind, 0) + qw.codes.numel()
         if qw.scales is not None:
             s_old, s_new = before.scales.float(), qw.scales.float()
             # |s_new - s_old| / |s_old|, over scales that are not zero
@@ -215,5 +232,9 @@ def code_changes(old: dict[str, QWeight], new: dict[str, QWeight],
             rel = (s_new - s_old).abs()[nonzero] / s_old.abs()[nonzero]
             drift_sum += float(rel.sum())
             drift_count += int(nonzero.sum())
-    return {"sync/changed_code_frac": changed / max(1, total),
-            "sync/scale_rel_drift": drift_sum / max(1, drift_count)}
+    metrics = {"sync/changed_code_frac": sum(changed_by_kind.values())
+               / max(1, sum(total_by_kind.values())),
+               "sync/scale_rel_drift": drift_sum / max(1, drift_count)}
+    metrics.update({f"sync/changed_code_frac/{kind}": changed_by_kind[kind] / max(1, total)
+                    for kind, total in total_by_kind.items()})
+    return metrics

@@ -21,6 +21,14 @@ experts on every row) always replay the whole batch.
 
 Which rows are audited is a function of (run.seed, step), so a resumed run audits the rows
 the uninterrupted one would.
+
+A stale batch (train.async_rollouts: sampled by the weights before the learner's last
+update) is not the learner's to reproduce: its old_logp is the learner's whole replay at its
+current weights, and nothing is compared (`audit/stale` = 1; `audit/failed` stays 0, and
+the run's full-replay switch is left as it was). The audit then compares only batches
+sampled by the learner's own version: every step's with async_staleness = 0, the first
+step's with 1. The sampler's side of the contract is still checked at every push: the
+digests of what each engine holds against what the learner pushed (qarl/train/sync.py).
 """
 
 from __future__ import annotations
@@ -59,8 +67,15 @@ class ReplayAudit:
     alert: str = ""  # what the last failed audit found
 
     def old_logp(self, learner: Learner, batch: RolloutBatch, sampling: SamplingParams,
-                 seed: int, step: int) -> OldLogp:
+                 seed: int, step: int, stale: bool = False) -> OldLogp:
+        """`stale`: the batch was sampled by an older weight version than the learner's
+        (module docstring): a whole replay, compared with nothing."""
         N = batch.num_sequences
+        if stale:
+            result = _whole_replay(learner, batch, sampling, for_update=True)
+            result = self._with_metrics(result, N)
+            result.metrics["audit/stale"] = 1.0
+            return result
         whole = (not self.exact or self.full_replay
                  or (self.full_every > 0 and step % self.full_every == 0))
         if whole:
@@ -107,7 +122,7 @@ class ReplayAudit:
         result.metrics = {"audit/replayed_frac": len(result.replayed_rows) / max(1, N),
                           "audit/failed": float(failed),
                           "audit/full_replay": float(self.full_replay or not self.exact),
-                          "audit/batch_shape_diff": batch_shape_diff}
+                          "audit/batch_shape_diff": batch_shape_diff, "audit/stale": 0.0}
         if difference is not None:
             result.metrics["audit/abs_diff_max"] = difference
         return result

@@ -53,7 +53,7 @@ def test_an_exact_step_replays_only_its_audited_rows_in_the_batch_shape():
     assert old.logp is batch.rollout_logp and torch.equal(old.replayed_rows, expected_rows)
     assert old.metrics == {"audit/replayed_frac": 2 / N, "audit/failed": 0.0,
                            "audit/full_replay": 0.0, "audit/abs_diff_max": 0.0,
-                           "audit/batch_shape_diff": 0.0}
+                           "audit/batch_shape_diff": 0.0, "audit/stale": 0.0}
 
 
 def test_the_whole_batch_is_replayed_every_full_every_steps_and_checked():
@@ -124,7 +124,24 @@ def test_alignments_whose_replay_differs_by_design_always_replay_whole():
     assert learner.calls == [list(range(N))] and not audit.full_replay
     assert torch.allclose(old.logp, batch.rollout_logp + 0.25 * batch.response_mask)
     assert old.metrics == {"audit/replayed_frac": 1.0, "audit/failed": 0.0,
-                           "audit/full_replay": 1.0, "audit/batch_shape_diff": 0.0}
+                           "audit/full_replay": 1.0, "audit/batch_shape_diff": 0.0,
+                           "audit/stale": 0.0}
+
+
+
+def test_a_stale_batch_is_replayed_whole_and_never_fails_the_audit():
+    """A batch sampled by the weights before the learner's last update (async rollouts):
+    old_logp is the learner's whole replay, however far from the sampler's logprobs, with no
+    audit failure, no alert and no switch to full replay; `audit/stale` says so."""
+    batch = _batch()
+    learner = ReplayingLearner(batch, bad=tuple(range(N)), shift=0.25)
+    audit = ReplayAudit(exact=True, fraction=0.125, full_every=8)
+    old = audit.old_logp(learner, batch, SAMPLING, seed=0, step=3, stale=True)
+    assert learner.calls == [list(range(N))]
+    assert torch.allclose(old.logp, batch.rollout_logp + 0.25 * batch.response_mask)
+    assert not audit.full_replay and audit.alert == ""
+    assert old.metrics["audit/stale"] == 1.0 and old.metrics["audit/failed"] == 0.0
+    assert old.metrics["audit/replayed_frac"] == 1.0 and "audit/abs_diff_max" not in old.metrics
 
 
 def test_audited_rows_depend_on_seed_and_step_only():

@@ -33,6 +33,7 @@ from qarl.config.compare_schema import flatten_overrides
 from qarl.config.dist_checks import dist_is_possible
 from qarl.config.lora_checks import lora_fits
 from qarl.config.train_checks import (
+    async_rollouts_fit,
     codes_backward_has_codes,
     device_exists,
     forward_logp_is_inexact_mode,
@@ -370,6 +371,7 @@ CHECKS: list[tuple[tuple[str, ...], Callable[..., list[Problem]]]] = [
     (("log",), tensorboard_available),
     (("log",), wandb_available),
     (("dist", "rollout", "train"), dist_is_possible),
+    (("train", "rollout", "dist"), async_rollouts_fit),
     (("model", "dist"), fsdp_is_dense),
     (("lora", "rollout", "dist"), lora_fits),
     (("compare",), compare_arms_consistent),

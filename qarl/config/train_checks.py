@@ -83,3 +83,25 @@ def device_exists(train, dist) -> list[Problem]:
                         f"{dist.learner_ranks}: learner ranks run on the CPU; use one rank "
                         "on the GPU or train.device = 'cpu'")]
     return []
+
+
+def async_rollouts_fit(train, rollout, dist) -> list[Problem]:
+    """train.async_rollouts generates in a background thread of this process: not with the
+    vLLM engine in this process (its generate saves, moves and restores the process's global
+    torch RNG, which the learner's thread uses at the same time; Ray rollout workers of it
+    run vLLM in their own processes); train.async_staleness only with train.async_rollouts."""
+    problems = []
+    if train.async_rollouts and rollout.engine == "vllm" and dist.rollout_workers == 1:
+        problems.append(Problem("train.async_rollouts", "true with rollout.engine = 'vllm' in "
+                                "this process: vLLM's generate saves, draws from and restores "
+                                "the process's global torch RNG, which the learner uses at the "
+                                "same time in the other thread, so neither would be "
+                                "reproducible; run vLLM in Ray rollout workers "
+                                "(dist.rollout_workers > 1), use rollout.engine = 'local', or "
+                                "set async_rollouts = false"))
+    if not train.async_rollouts and train.async_staleness != 1:
+        problems.append(Problem("train.async_staleness", f"{train.async_staleness} without "
+                                "train.async_rollouts = true, where every batch is sampled by "
+                                "the learner's current weights; set async_rollouts = true or "
+                                "remove async_staleness"))
+    return problems

@@ -153,6 +153,24 @@ class TrainSection(BaseModel):
         3, ge=1, description="Abort after this many steps in a row whose loss or gradient was "
         "not finite (each such step is skipped: weights and optimizer state untouched)."
     )
+    async_rollouts: bool = Field(
+        False, description="One-step-off-policy rollouts (verl's one_step_off_policy, AReaL's "
+        "max_head_offpolicyness = 1): a background thread has the engines generate the next "
+        "step's batch with the weights they hold while the learner rewards, replays and "
+        "updates on this one, and the weight push waits for that generation. The batch of "
+        "step t >= 1 is then sampled by the weights of step t - 1 (train.async_staleness): "
+        "old_logp is the learner's replay at its current weights on every row, so the "
+        "mismatch metrics, the rollout corrections and TBPO's band see the staleness "
+        "(`async/staleness`). Checkpoints hold the batch already generated, so a resumed run "
+        "continues bit for bit. Not with rollout.engine = 'vllm' in this process (Ray "
+        "rollout workers of it are fine). docs/training.md, 'One-step-off-policy rollouts'; "
+        "measured by benchmarks/async_rollouts.py.")
+    async_staleness: int = Field(
+        1, ge=0, le=1, description="With train.async_rollouts: how many weight versions the "
+        "sampler of a step's batch is behind the learner. 1: one step off policy, generation "
+        "overlapping the update; 0: the same background path with no overlap (each batch "
+        "generated with the current weights, then trained on), which gives the synchronous "
+        "run's weights bit for bit.")
 
 
 class SftSection(BaseModel):

@@ -31,6 +31,7 @@ from qarl.train.guards import (
     out_of_memory_message,
 )
 from qarl.parallel.ranks import LearnerRankDied
+from qarl.train.async_rollouts import AsyncRollouts
 from qarl.train.data import Data, learner_view, sampling_params
 from qarl.train.folder import open_run
 from qarl.train.learner.follow import learner_on_ranks
@@ -45,29 +46,67 @@ from qarl.train.resume import ResumePoint, resume_point
 from qarl.train.sft import warm_start
 from qarl.train.signals import StopRequested, check_stop, stop_on_signals
 from qarl.train.summary import finish_run
+from qarl.types import RolloutBatch
 
 
-def rl_step(policy: Policy, data: Data, config: RunConfig, step: int) -> dict[str, float]:
+def step_prompts(data: Data, config: RunConfig, step: int) -> tuple[list, list[list[int]]]:
+    """The examples of `step` and its prompt ids, each prompt group_size times."""
+    G = config.rollout.group_size
+    examples = train_examples(data.task, config.run.seed, step, config.rollout.batch_size // G)
+    return examples, [ids for ids in data.prompts.encode_prompts(examples) for _ in range(G)]
+
+
+def generate(policy: Policy, config: RunConfig, step: int,
+             prompt_ids: list[list[int]]) -> RolloutBatch:
+    """The engine's batch of `step` (its sampling seed a function of (run.seed, step)), on
+    the learner's device (where a remote or vLLM engine's batch is not)."""
+    batch = policy.engine.generate(prompt_ids, sampling_params(config.rollout),
+                                   seed=config.run.seed * 100_003 + step)
+    return batch.to(policy.device)
+
+
+def rl_step(policy: Policy, data: Data, config: RunConfig, step: int,
+            rollouts: AsyncRollouts | None = None) -> dict[str, float]:
     """One RL step (0-based `step`): sample, reward, update the learner, push it to the engine.
     Returns the step's metrics (docs/training.md, "What a run logs"). A stop signal ends it
-    (StopRequested) only before the update starts: after, the step runs to its end."""
+    (StopRequested) only before the update starts: after, the step runs to its end.
+    `rollouts` (train.async_rollouts): the step's batch comes from there, and the next one is
+    generated while this one trains (qarl/train/async_rollouts.py)."""
+    if rollouts is None:
+        return _step(policy, data, config, step, None)
+    try:
+        return _step(policy, data, config, step, rollouts)
+    except BaseException:
+        rollouts.abandon()  # the background generation stops before the error goes on
+        raise
+
+
+def _step(policy: Policy, data: Data, config: RunConfig, step: int,
+          rollouts: AsyncRollouts | None) -> dict[str, float]:
     timer = PhaseTimer()
     G, seed = config.rollout.group_size, config.run.seed
     sampling = sampling_params(config.rollout)
-    examples = train_examples(data.task, seed, step, config.rollout.batch_size // G)
-    prompt_ids = [ids for ids in data.prompts.encode_prompts(examples) for _ in range(G)]
+    examples, prompt_ids = step_prompts(data, config, step)
     check_stop()
-    with timer("generate"):
-        batch = policy.engine.generate(prompt_ids, sampling, seed=seed * 100_003 + step)
-        batch = batch.to(policy.device)  # where a remote or vLLM engine's batch is not
+    if rollouts is None:
+        with timer("generate"):
+            batch = generate(policy, config, step, prompt_ids)
+        staleness = {}
+    else:  # the last step generates the next one too where the run may be extended
+        sampled = rollouts.begin(step, step + 1 < config.train.steps
+                                 or config.train.final_checkpoint == "full")
+        batch = sampled.batch
+        timer.seconds["generate"] = sampled.seconds
+        staleness = {"async/staleness": float(step - sampled.version)}
     with timer("reward"):
         scored, completions = reward_responses(data.tokenizer, data.rewards, examples, batch, G)
         data.watch.observe(scored, f"step {step + 1}")  # RewardsFailed: a reward that never works
     check_stop()
     # the learner scores under the sampler's kept sets (or, correction off, the whole vocabulary)
     scoring, batch = learner_view(config.rollout, sampling, batch)
+    stale = bool(staleness.get("async/staleness"))
     with timer("old_logp"):  # a replay, or an audit of one where it is exact (learner/audit.py)
-        old = policy.audit.old_logp(policy.learner, batch, scoring, seed, step)
+        old = policy.audit.old_logp(policy.learner, batch, scoring, seed, step, stale)
     ref_logp, penalty, kl_metrics = None, None, {}
     if policy.reference is not None:  # algo.kl_coef > 0
         with timer("ref_logp"):
@@ -79,19 +118,27 @@ def rl_step(policy: Policy, data: Data, config: RunConfig, step: int) -> dict[st
                      old.replayed_rows, old.replayed_logp,
                      ref_logp if config.algo.kl_in == "loss" else None)
     samples = sample_metrics(data.task, exp, completions)
-    budget = policy.contract.check_step(samples, step)  # OverBudget: stop before the update
-    check_stop()
+    budget = policy.contract.check_step(samples, step, stale)  # OverBudget: before the update
+    if rollouts is None:
+        check_stop()
+    else:  # the last stop check: from here the background generation runs to its end
+        rollouts.commit()
     # the packs of the weights the update replaces are never read again: not in its peak
-    policy.engine.release_caches()
+    # (the engine's are, where it is generating the next batch)
+    if rollouts is None or not rollouts.in_flight:
+        policy.engine.release_caches()
     policy.learner.release_caches()
     with timer("update"):
         update = policy.learner.update(exp, config.algo, config.train, step)
+    if rollouts is not None:
+        rollouts.finish()  # the push changes the engines' weights: after their generation
+        staleness["time/generate_wait"] = rollouts.waited
     with timer("sync"):
         sync = policy.sync.push()
     generated = int(batch.response_mask.sum())
     return {
         **reward_metrics(scored), **group_metrics, **old.metrics, **kl_metrics, **update, **sync,
-        **samples, **budget, **timer.metrics(),
+        **samples, **budget, **timer.metrics(), **staleness,
         "response/length_mean": generated / batch.num_sequences,
         "speed/tokens_per_s": generated / max(1e-9, timer.seconds["generate"]),
     }
@@ -109,19 +156,35 @@ def train(recipe: str | Path | Mapping | RunConfig | None = None,
     with stop_on_signals(), open_run(config, learner=lambda: _warm_start(config)) as (
             folder, policy, data):
         policy.engine.stop_check = data.rewards.stop_check = check_stop
-        loop = Loop(config, folder.path, policy, data)
-        loop.start(start)
+        rollouts = async_rollouts(policy, data, config)
+        loop = Loop(config, folder.path, policy, data, rollouts)
         try:
+            loop.start(start)
             with learner_on_ranks(config, policy.learner) as policy.learner:
                 before, after = loop.run()
         except LearnerRankDied as err:  # a follower gone before it joined (no step taken)
             raise TrainingAborted(str(err)) from err
         finally:
-            loop.log.close()
+            if rollouts is not None:
+                rollouts.close()
+            if hasattr(loop, "log"):
+                loop.log.close()
         summary = finish_run(folder.path, config.log, before, after)
         summary["early_stop"] = loop.early_stop or None
         (folder.path / "summary.json").write_text(jsonio.dumps(summary, indent=1))
         return summary
+
+
+def async_rollouts(policy: Policy, data: Data, config: RunConfig) -> AsyncRollouts | None:
+    """The run's background rollouts under train.async_rollouts (None without), which become
+    the engine's stop check (`AsyncRollouts.check`)."""
+    if not config.train.async_rollouts:
+        return None
+    rollouts = AsyncRollouts(lambda step, ids: generate(policy, config, step, ids),
+                             lambda step: step_prompts(data, config, step)[1],
+                             config.train.async_staleness, check_stop)
+    policy.engine.stop_check = rollouts.check
+    return rollouts
 
 
 def _warm_start(config: RunConfig):
@@ -147,10 +210,13 @@ def check_reference(policy: Policy, state: dict, folder: Path) -> None:
 
 class Loop:
     """The steps of one run with what they carry between them: the steps done, the global RNG
-    state at that point, the last checkpoint, the bad-step count, the metrics log."""
+    state at that point, the last checkpoint, the bad-step count, the metrics log, and under
+    train.async_rollouts the batch generated for the next step (`rollouts`)."""
 
-    def __init__(self, config: RunConfig, run_dir: Path, policy: Policy, data: Data):
+    def __init__(self, config: RunConfig, run_dir: Path, policy: Policy, data: Data,
+                 rollouts: AsyncRollouts | None = None):
         self.config, self.run_dir, self.policy, self.data = config, run_dir, policy, data
+        self.rollouts = rollouts
         self.guard = BadStepGuard(config.train.max_bad_steps)
         self.monitors = Monitors(config.monitor)
         self.done, self.saved = 0, None  # steps finished; the newest checkpoint, if any
@@ -179,6 +245,12 @@ class Loop:
             self.monitors = Monitors(self.config.monitor, state.get("monitor"))
             self.policy.contract.restore(state.get("contract") or {})
             check_reference(self.policy, state, resume_from)
+            if self.rollouts is not None:
+                self.rollouts.restore(state.get("async") or {},
+                                      checkpoint.load_pending(resume_from))
+                if self.rollouts.pending is not None:
+                    pending = self.rollouts.pending
+                    pending.batch = pending.batch.to(self.policy.device)
         try:  # the contract's layers first (a push to a layer of another format would fail
             # less clearly), then the engine decodes with the learner's current codes
             contract = self.policy.contract.start(self.policy.sync, self.run_dir)
@@ -211,7 +283,7 @@ class Loop:
             if self.eval_due():  # a resumed run redoes the eval its checkpoint came before
                 self.evaluate()
             for step in range(self.done, steps):
-                metrics = rl_step(self.policy, self.data, config, step)
+                metrics = rl_step(self.policy, self.data, config, step, self.rollouts)
                 metrics.update(self.monitors.update(metrics))
                 for line in self.data.watch.take_lines():
                     self.log.write(line)
@@ -274,9 +346,12 @@ class Loop:
                  "contract": self.policy.contract.state()}
         if self.policy.reference is not None:  # which reference the steps were taken against
             state["reference"] = self.policy.reference.digest
+        pending = None
+        if self.rollouts is not None:  # the next step's batch, generated by the last weights
+            state["async"], pending = self.rollouts.state(self.done)
         optimizer_state = not (last and train.final_checkpoint == "weights")
         with learner.whole_optimizer_state():
             self.saved = checkpoint.save(self.run_dir, self.done, learner.model,
                                          learner.optimizers, state, self.rng,
                                          to_toml(self.config), train.keep_checkpoints,
-                                         optimizer_state)
+                                         optimizer_state, pending)

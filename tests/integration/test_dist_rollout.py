@@ -224,3 +224,27 @@ def test_delta_pushes_reach_every_worker_and_survive_a_restart(ray_session, tmp_
             engines.close()
     for field in FIELDS:
         assert torch.equal(getattr(want, field), getattr(got, field)), field
+
+
+@pytest.mark.slow
+def test_async_rollouts_on_two_workers_train_as_on_the_local_engine(ray_session, tmp_path):
+    """train.async_rollouts (staleness 1) with 2 Ray rollout workers, the next batch generated
+    by the actors while the learner updates: the same final weights, torch.equal, as the
+    in-process engine's async run (the workers sample the one engine's tokens), and the
+    staleness of every step after the first is 1."""
+    from safetensors.torch import load_file
+
+    from qarl.report import read_metrics
+    from qarl.train.checkpoint import latest
+    from qarl.train.trainer import train
+
+    run = {"run.output_dir": str(tmp_path), "train.steps": 3, "rollout.batch_size": 16,
+           "train.micro_batch_size": 8, "train.async_rollouts": True, "eval.size": 8,
+           "eval.full_precision": False, "log.plot": False, "log.progress": False}
+    weights = {}
+    for workers in (1, 2):
+        train("tiny", {**run, "run.name": f"w{workers}", "dist.rollout_workers": workers})
+        weights[workers] = load_file(latest(tmp_path / f"w{workers}") / "model.safetensors")
+    assert all(torch.equal(weights[1][k], weights[2][k]) for k in weights[1])
+    rows = [r for r in read_metrics(tmp_path / "w2" / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 1.0]

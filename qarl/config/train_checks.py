@@ -1,6 +1,7 @@
 """Checks of the train section that span sections or the machine: the master weights' dtype
-against training, the logp path against the alignment mode, and train.device against the
-devices this machine has (the `CHECKS` of qarl.config.checks run them)."""
+against training, the logp path against the alignment mode, train.device against the
+devices this machine has, and async rollouts against the engine (the `CHECKS` of
+qarl.config.checks run them)."""
 
 from __future__ import annotations
 

@@ -10,6 +10,9 @@ engine. The loop (`train`) adds resume, evaluation, logging, checkpoints and the
 a stop signal is honoured only before a step's update (`check_stop`), so a stopped run saves
 the checkpoint of its finished steps; a non-finite update is skipped and counted
 (`guards.BadStepGuard`); out of memory ends the run with the settings to lower.
+Under train.async_rollouts the step's batch comes from `AsyncRollouts`
+(qarl/train/async_rollouts.py), which generates the next one in a background thread during
+the update; the push waits for it, and the loop's checkpoints hold it.
 """
 
 from __future__ import annotations

@@ -30,17 +30,17 @@ Held-out accuracy of both policies before the first step and after the last (`ev
 the engine, and a full-precision engine over the master weights).
 
 Why these sizes (the whole default run within about 30 minutes on 2 cores at one thread,
-the other core left to other work): a step of the comparison recipe takes 8-20 s at one
-thread on an AVX2 CPU (FP8 and NVFP4 run exact emulations, about twice int8's time); 15
-cells leave about 5 steps each. Rollout batches of 16 (4 prompts x 4 responses) instead of
-32 halve the update, the step's largest phase, and keep 4 groups per step, so few steps go
-without signal. Adam's first step moves nearly every weight by lr and later ones by at most
-about lr, so 5 steps at 1e-4 move the weights as far as the default recipe's 16 at 2e-5,
-which take its deployed policy from about 0.2 to 0.9 held-out: the learning rates 1e-6,
-1e-5 (the recipes') and 1e-4 span a policy that cannot move in 5 steps to one that does.
-48 held-out prompts sampled at temperature 1 with one seed for both policies: one prompt is
-0.021. int4 at group 128 is not among the defaults: SmolLM2's hidden size 576 is not a
-multiple of 128 (`--formats int4-g128` on a model whose is); groups 32 and 64 are.
+the other core left to other work; the JSON holds each cell's seconds): the update is a
+step's largest phase, and FP8 and NVFP4 run exact emulations, slower than int8 and int4, so
+15 cells leave about 5 steps each. Rollout batches of 16 (4 prompts x 4 responses) instead
+of the recipe's 32 halve the update and keep 4 groups per step, so few steps go without
+signal. Adam's first step moves nearly every weight by lr and later ones by at most about
+lr, so 5 steps at 1e-4 move the weights further than the default recipe's 16 at 2e-5, which
+train its deployed policy most of the way (docs/results.md): the learning rates 1e-6, 1e-5
+(the recipes') and 1e-4 span weights that barely move in 5 steps to weights that move far.
+48 held-out prompts sampled at temperature 1 with one seed for both policies. int4 at group
+128 is not among the defaults: SmolLM2's hidden size 576 is not a multiple of 128
+(`--formats int4-g128` on a model whose is); groups 32 and 64 are.
 `--quick`: the `tiny` recipe, two formats, two steps, for a smoke test.
 """
 

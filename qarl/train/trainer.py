@@ -286,7 +286,9 @@ class Loop:
             if self.eval_due():  # a resumed run redoes the eval its checkpoint came before
                 self.evaluate()
             for step in range(self.done, steps):
-                metrics = rl_step(self.policy, self.data, config, step, self.rollouts)
+                # (rollouts only where set: the synchronous loop calls rl_step as it always has)
+                metrics = (rl_step(self.policy, self.data, config, step) if self.rollouts is None
+                           else rl_step(self.policy, self.data, config, step, self.rollouts))
                 metrics.update(self.monitors.update(metrics))
                 for line in self.data.watch.take_lines():
                     self.log.write(line)

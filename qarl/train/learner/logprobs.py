@@ -4,9 +4,12 @@ Two ways to compute logp(response | prompt) for a RolloutBatch:
 
 - `response_logprobs` (with grad): a forward of prompt + response, each distinct prompt
   computed once for the rows that share it (a group's responses: `_predicting_hidden`), then
-  lm_head + log-softmax at response positions only, in chunks of `chunk_tokens` response positions, each chunk under
-  activation checkpointing, so no [N, L, vocab] float32 tensor is ever kept for the batch
-  (only [chunk, vocab] at a time; the chunk's logits are recomputed in backward).
+  lm_head + log-softmax at response positions only, in chunks of `chunk_tokens` response
+  positions, every chunk but the last under activation checkpointing, so no [N, L, vocab]
+  float32 tensor is ever kept for the batch: at most one chunk's [chunk, vocab] logits
+  beside the layers' activations (an earlier chunk's logits are recomputed in backward; the
+  last chunk's are kept from the end of the forward to the start of the backward, where its
+  recompute would hold them anyway).
 - the replay (no grad, exact; `Learner.replay`): the engine's own prefill +
   decode path with the sampled tokens forced instead of drawn (`LocalEngine.score` on a
   LocalEngine around the learner model). On CPU this is what makes
@@ -159,14 +162,17 @@ def response_logprobs(
     flat_tokens = batch.response_ids[mask]  # [T]
     kept = _KeptChunks(batch) if batch.kept_counts is not None else None
     logps, entropies = [], []
-    for start in range(0, flat_tokens.numel(), chunk_tokens):
+    T = flat_tokens.numel()
+    for start in range(0, T, chunk_tokens):
         h = flat_hidden[start : start + chunk_tokens]
         y = flat_tokens[start : start + chunk_tokens]
         step, args = _chunk_logprobs_and_entropy, (model.lm_head, h, y, temperature)
         if kept is not None:
             step = _chunk_kept_logprobs_and_entropy
             args += (kept.mask(start, y.numel(), model.config.vocab_size),)
-        if torch.is_grad_enabled() and h.requires_grad:
+        # the last chunk's backward comes first: its logits, kept, cost no more memory than
+        # a recompute there, and one lm_head GEMM less (benchmarks/roofline.py, the update)
+        if torch.is_grad_enabled() and h.requires_grad and start + chunk_tokens < T:
             lp, ent = checkpoint(step, *args, use_reentrant=False)
         else:
             lp, ent = step(*args)

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from qarl.config import TrainSection
 from qarl.model.decoder import checkpointed_layers
 from qarl.rollout import LocalEngine
+from qarl.train.learner.embedding import rows_into_gradient
 from qarl.train.learner.logprobs import ForwardScorer, response_logprobs
 from qarl.train.learner.precision import Precision
 from qarl.train.phases import Experience
@@ -56,6 +57,8 @@ class Passes:
         self.own_values = (isinstance(replayer, ForwardScorer)
                            and replayer.is_gradient_pass(precision.compute, self.micro_batch_size))
         self.reads_ahead = solo and not routing_replay and self.own_values
+        # a tied embedding's gradient rows straight into its weight's gradient (embedding.py)
+        self.rows_into_gradient = rows_into_gradient(model, solo)
         self._ahead: tuple[RolloutBatch, tuple[Tensor, Tensor]] | None = None
 
     def replay(self, batch: RolloutBatch, sampling: SamplingParams, for_update: bool = False

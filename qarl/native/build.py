@@ -87,6 +87,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "qarl_quantize_s8_rows": [p, i64, i64, i64, p, i64, p, i32],
         "qarl_qdq_s8_rows_bf16": [p, i32, i64, i64, i64, p, i64, i32],
         "qarl_dequant_s8_bf16": [p, p, i64, i64, p, i32],
+        "qarl_dequant_s8_f32": [p, p, i64, i64, p, i32],
+        "qarl_qdq_s8_rows_f32": [p, i64, i64, i64, p, i64, i32],
         "qarl_quantize_s8_rows_scaled": [p, i64, i64, i64, p, p, i64, p, i32],
         "qarl_scale_s32": [p, i64, i64, p, p, p, i32],
         "qarl_s8_isa": [],

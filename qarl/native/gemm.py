@@ -199,6 +199,32 @@ def dequant_s8_bf16(codes: Tensor, scales: Tensor) -> Tensor:
     return out
 
 
+def dequant_s8_f32(codes: Tensor, scales: Tensor) -> Tensor:
+    """codes [N, K] int8, scales [N] float32 -> [N, K] float32: `codes * scales[:, None]` bit
+    for bit, in one pass (torch converts the codes in a pass of their own first)."""
+    if codes.dim() != 2 or codes.dtype != torch.int8 or scales.shape != codes.shape[:1]:
+        raise ValueError(f"dequant_s8_f32 expects int8 codes [N, K] and scales [N], got "
+                         f"{codes.dtype} {tuple(codes.shape)}, {tuple(scales.shape)}")
+    codes, scales = codes.contiguous(), scales.float().contiguous()
+    out = torch.empty(codes.shape, dtype=torch.float32)
+    _lib().qarl_dequant_s8_f32(codes.data_ptr(), scales.data_ptr(), codes.shape[0],
+                               codes.shape[1], out.data_ptr(), _threads())
+    return out
+
+
+def qdq_s8_rows_f32(x: Tensor) -> Tensor:
+    """x [..., K] float32 -> x_hat [..., K] float32: the rows quantized as numerics.int8_rows
+    quantizes them and dequantized, what `q.float() * s[:, None]` gives, bit for bit, in one
+    pass per row."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"qdq_s8_rows_f32 expects float32 rows, got {x.dtype}")
+    x2 = _rows(x, x.dtype, x.shape[-1], "qdq_s8_rows_f32")
+    m, k = x2.shape
+    out = torch.empty(m, k, dtype=torch.float32)
+    _lib().qarl_qdq_s8_rows_f32(x2.data_ptr(), m, k, k, out.data_ptr(), k, _threads())
+    return out.reshape(x.shape)
+
+
 def scale_s32(acc: Tensor, xs: Tensor, ws: Tensor | None = None) -> Tensor:
     """acc [M, N] int32 (an exact int8 GEMM), xs [M], ws [N] float32 -> (acc * xs) * ws [M, N]
     float32, the same two rounded products as `acc.float() * xs[:, None] * ws[None]`, in one

@@ -365,6 +365,41 @@ void qarl_dequant_s8_bf16(const int8_t* codes, const float* scales, int64_t N, i
     for (int64_t n = 0; n < N; n++) dequant_row_bf16(codes + n * K, scales[n], K, out + n * K);
 }
 
+// out = (float)codes[n, k] * scales[n]: W8A8's weight dequantized in fp32, one rounded product
+// per entry as `torch.mul(codes, scales[:, None])` computes it, in one pass (torch's type
+// promotion converts the codes in a pass of their own first). A learner layer's backward
+// dequantizes its weight so, once per micro-batch.
+void qarl_dequant_s8_f32(const int8_t* codes, const float* scales, int64_t N, int64_t K,
+                         float* out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (N * K > 32768)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t* c = codes + n * K;
+        float* o = out + n * K;
+        const float s = scales[n];
+        for (int64_t k = 0; k < K; k++) o[k] = (float)c[k] * s;
+    }
+}
+
+// x_hat = (float)q * s for each row of x [M, K] fp32 (row stride ldx), (q, s) =
+// numerics.int8_rows of the row: what `q.float() * s[:, None]` gives, bit for bit, in one pass
+// per row without the codes between. out: [M, K] fp32 (row stride ldo). W8A8's activation
+// quantize-dequantize in an fp32 gradient pass's backward.
+void qarl_qdq_s8_rows_f32(const float* x, int64_t M, int64_t K, int64_t ldx, float* out,
+                          int64_t ldo, int nthreads) {
+#pragma omp parallel num_threads(nthreads) if (M * K > 32768)
+    {
+        int8_t* q = (int8_t*)malloc((size_t)(K > 0 ? K : 1));
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            float sc;
+            qarl_quantize_row_s8(x + m * ldx, K, q, &sc);
+            float* o = out + m * ldo;
+            for (int64_t k = 0; k < K; k++) o[k] = (float)q[k] * sc;
+        }
+        free(q);
+    }
+}
+
 // x_hat = bf16((float)q * s) for each row of x [M, K] (fp32, or bf16 bits when x_bf16; row
 // stride ldx), (q, s) = numerics.int8_rows of the row (of its fp32 values): what
 // `(q.float() * s[:, None]).bfloat16()` gives, bit for bit, in one pass per row without the

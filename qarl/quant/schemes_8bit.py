@@ -62,11 +62,15 @@ class Int8Scheme(Scheme):
         return QWeight(self.name, tuple(w.shape), codes, scales)
 
     def dequantize(self, qw: QWeight) -> Tensor:
-        # one pass: int8 * fp32 promotes each code to fp32 (exact) inside the multiply, the same
-        # bits as codes.float() * scales without the [N, K] fp32 temporary
+        # codes.float() * scales: one rounded product per entry; on the CPU in one native pass
+        # (torch converts the codes in a pass of their own first)
+        if qw.codes.device.type == "cpu" and qw.codes.dim() == 2 and K.native_ok(qw.codes.device):
+            return nat.dequant_s8_f32(qw.codes, qw.scales)
         return torch.mul(qw.codes, qw.scales[:, None])
 
     def act_qdq(self, x: Tensor) -> Tensor:
+        if x.device.type == "cpu" and x.dtype == torch.float32 and K.native_ok(x.device):
+            return nat.qdq_s8_rows_f32(x)  # the same bits in one pass per row
         xq, xs = _int8_rows(x)
         return xq.float() * xs[:, None]
 

@@ -184,3 +184,25 @@ def test_learner_logprobs_take_the_native_kernel_with_the_same_values():
     torch.testing.assert_close(a_lp, b_lp, rtol=0, atol=1e-5)
     torch.testing.assert_close(a_ent, b_ent, rtol=0, atol=1e-5)
     torch.testing.assert_close(a_g, b_g, rtol=2e-2, atol=1e-3)
+
+
+def test_qdq_and_dequantize_in_fp32_equal_the_torch_ops():
+    """qdq_s8_rows_f32 = q.float() * s for (q, s) = int8_rows(x), and dequant_s8_f32 = codes *
+    scales[:, None], bit for bit, on rows with ties, zeros, one nonzero value and widths off
+    the 8-lane vectors; W8A8's act_qdq and dequantize are them on the CPU."""
+    x = _rand((37, 1003), 11, scale=3.0)
+    x[1] = 0.0
+    x[2] = 0.0
+    x[2, 5] = -2.0
+    x[3, :4] = torch.tensor([127.0, 0.5, -1.5, 2.5])
+    xq, xs = nm.int8_rows(x)
+    want = xq.float() * xs[:, None]
+    assert torch.equal(nat.qdq_s8_rows_f32(x), want)
+    assert torch.equal(nat.qdq_s8_rows_f32(x.reshape(37, 1, 1003)), want.reshape(37, 1, 1003))
+    scheme = SCHEMES["w8a8-int8"]
+    assert torch.equal(scheme.act_qdq(x), want)
+    codes = _codes((37, 1003), 12)
+    scales = _rand((37,), 13).abs() + 0.01
+    assert torch.equal(nat.dequant_s8_f32(codes, scales), codes.float() * scales[:, None])
+    qw = scheme.quantize(_rand((40, 96), 14))
+    assert torch.equal(scheme.dequantize(qw), qw.codes.float() * qw.scales[:, None])

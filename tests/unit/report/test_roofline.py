@@ -1,0 +1,50 @@
+"""benchmarks/roofline.py: the update's work counted from a batch as the gradient forward runs
+it (each distinct prompt once per micro-batch, the packed response positions, the lm_head at
+response positions), and a whole run on the tiny recipe giving every phase a floor."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import roofline  # noqa: E402
+
+from qarl.config import load_config  # noqa: E402
+from qarl.types import RolloutBatch  # noqa: E402
+
+
+def test_update_work_counts_shared_prompts_once_and_packed_responses():
+    """8 rows, two prompts of 4 rows (P = 5), micro-batches of 4: each micro-batch runs one
+    prompt (5 positions) and its rows' response positions that predict another token (length
+    - 1 each); the lm_head runs at every response token; two epochs double everything."""
+    P, L = 5, 4
+    prompt_ids = torch.tensor([[1, 2, 3, 4, 5]] * 4 + [[6, 7, 8, 9, 10]] * 4)
+    lengths = torch.tensor([4, 3, 1, 2, 4, 4, 2, 1])
+    mask = torch.arange(L)[None, :] < lengths[:, None]
+    batch = RolloutBatch(prompt_ids, torch.ones(8, P, dtype=torch.bool),
+                         torch.ones(8, L, dtype=torch.long), mask, torch.zeros(8, L),
+                         finish_reasons=["stop"] * 8)
+    config = load_config("tiny", {"train.micro_batch_size": 4, "algo.epochs": 2})
+    work = roofline.update_work(batch, config, config.train, config.algo)
+    packed = int((lengths - 1).clamp(min=0).sum())
+    assert work["micro_batches"] == 4
+    assert work["block_rows"] == 2 * (2 * P + packed)
+    assert work["head_rows"] == 2 * int(lengths.sum())
+    assert work["head_recompute_rows"] == 0  # one logits chunk per micro-batch: none
+
+
+@pytest.mark.slow
+def test_a_tiny_run_gives_every_phase_a_floor():
+    result = roofline.measure("tiny", {"train.steps": 3}, 3, True)
+    for phase in roofline.PHASES:
+        figures = result["phases"][phase]
+        assert figures["measured"] > 0, phase
+        if phase != "old_logp" or figures["work"] != "no rows replayed":
+            assert figures["floor"] > 0 and figures["x_floor"] > 0, phase
+    assert result["update_work"]["block_rows"] > result["update_work"]["head_rows"] > 0

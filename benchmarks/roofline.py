@@ -83,9 +83,12 @@ def best_seconds(fn, repeats: int = 5) -> float:
 
 
 def bandwidth_gbs(megabytes: int = 1024) -> float:
-    """GB/s of a streaming read (a sum) of a buffer far larger than the caches."""
+    """GB/s of a streaming read of a buffer far larger than the caches: the faster of a sum
+    and a matrix-vector product over it (a decode step's read)."""
     buf = torch.ones(megabytes * 2**20 // 4)
-    return buf.numel() * 4 / best_seconds(lambda: buf.sum(), 3) / 1e9
+    rows, vec = buf.view(-1, 4096), torch.ones(4096, 1)
+    seconds = min(best_seconds(lambda: buf.sum(), 3), best_seconds(lambda: rows @ vec, 3))
+    return buf.numel() * 4 / seconds / 1e9
 
 
 def learner_gemm_seconds(rows: int, k: int, n: int, dtype: torch.dtype) -> dict[str, float]:

@@ -298,7 +298,9 @@ def reckon(config, model, precision, rows) -> dict:
         r_live = [min(r_rows, n) for n in live]
         r_flops, r_bytes, r_floor = decode_floor(scheme, linears, mc, r_live, weight_bytes,
                                                  bandwidth, context * r_rows / len(lengths))
-        pr_flops, pr_floor = prefill_floor(scheme, linears, mc, min(prompts, r_rows) * P)
+        # the fewest prompts those rows can hold (a floor is a lower bound)
+        shared = math.ceil(r_rows * prompts / batch.num_sequences)
+        pr_flops, pr_floor = prefill_floor(scheme, linears, mc, shared * P)
         figures["old_logp"] = {"work": f"{r_rows} rows replayed: {(r_flops + pr_flops) / 1e9:.0f}"
                                f" GFLOP, {r_bytes / 1e9:.1f} GB",
                                "rate": f"{bandwidth:.0f} GB/s; {scheme} kernel",

@@ -136,6 +136,10 @@ def describe_quant_backward(backward: str, requested: str, scheme: str,
         grad_x = ("dL/dx by an int8 GEMM" if SCHEMES[scheme].codes_pass().grad_input_on_codes
                   else "dL/dx in float")
         what = f"on codes ({grad_x}, dL/dW in {grad_w} on the activations' codes)"
+        if not SCHEMES[scheme].codes_pass().prefers(device):
+            # e.g. int8 on an AVX2-only CPU: no int8 dot instructions, a reference path
+            what += (", which this machine runs slowly (no instructions for it: 'auto' picks "
+                     "the float backward here)")
     else:
         what = "on the dequantized weight and activations"
     return f"quantized layers' backward {what} (train.quant_backward = {requested!r})"

@@ -121,6 +121,17 @@ def test_auto_backward_on_codes_where_the_int8_gemm_is_the_fast_one(
     line = precision.describe_quant_backward(want, "auto", scheme)
     assert ("on codes" in line) == (want == "codes") and "'auto'" in line
     assert ("int8 GEMM" in line) == (want == "codes" and scheme == "w8a8-int8")
+    assert "slowly" not in line  # auto never picks a slow backward
+
+
+@pytest.mark.parametrize("flags, slow", [({"avx2"}, True), ({"avx512_vnni"}, False),
+                                         ({"amx_int8"}, False)])
+def test_an_explicit_backward_on_codes_says_where_it_runs_slowly(monkeypatch, flags, slow):
+    """train.quant_backward = 'codes' on a CPU without int8 dot instructions (an AVX2-only
+    one) is taken, and the run's first lines say it runs slowly there."""
+    monkeypatch.setattr(isa, "cpu_flags", lambda: flags)
+    line = precision.describe_quant_backward("codes", "codes", "w8a8-int8")
+    assert "on codes" in line and ("slowly" in line) == slow
 
 
 def test_a_learner_takes_its_precisions_backward_on_every_quantized_layer():

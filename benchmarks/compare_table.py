@@ -10,6 +10,7 @@ leaving it stale.
     .venv/bin/python benchmarks/compare_table.py runs/tbpo --results   # and write docs/results.md
 
 The recipe's name is the folder's (`qarl compare RECIPE` writes into run.output_dir/RECIPE).
+The held-out seeds' runs (compare.held_out_seeds) are a second table, never in the first.
 A figure no arm logged (GRPO arms have no trust band) is '-' in its arm's row, and a column no
 arm has is left out.
 """
@@ -41,10 +42,11 @@ NOTES = ("Deployed: the deployed policy's held-out accuracy at the last evaluati
          "step. qarl/report/README.md defines each figure.")
 
 
-def figures(table: dict) -> dict:
-    """{arm: {"seeds", "deployed": [per seed], "mean", "half_range", figure: mean, ...}}."""
+def figures(table: dict, part: str = "arms") -> dict:
+    """{arm: {"seeds", "deployed": [per seed], "mean", "half_range", figure: mean, ...}} of
+    compare.json's `arms` (the development seeds) or `held_out` (the held-out seeds)."""
     out = {}
-    for arm, entry in table["arms"].items():
+    for arm, entry in (table.get(part) or {}).items():
         figs = entry["figures"]
         deployed = figs["accuracy_deployed"]["values"]
         out[arm] = {"seeds": entry["seeds"], "deployed": deployed,
@@ -121,17 +123,21 @@ def main() -> None:
                          "compare command resumes them")
     if not table["arms"]:
         raise SystemExit(f"{source} has no arms: `qarl report {args.folder}` rewrites it")
-    rows = figures(table)
+    rows, held_out = figures(table), figures(table, "held_out")
     if args.results:
         from results_page import this_command, write_section
 
         recipe = args.folder.resolve().name
+        body = markdown(rows, table)
+        if held_out:
+            body += ("\n\nThe held-out seeds (compare.held_out_seeds), kept out of the recipe's "
+                     "development and out of the table above:\n\n" + markdown(held_out, table))
         notes = (f"From the finished runs of `qarl compare {recipe}` in `{args.folder}`. {NOTES} "
                  f"The arms' overrides of the recipe:\n\n{arms_note(table)}")
         write_section(args.key or f"compare-{recipe}", f"Comparison: the {recipe} recipe",
-                      this_command(), markdown(rows, table), notes=notes,
+                      this_command(), body, notes=notes,
                       glance=glance(rows, table, recipe), machine=args.machine)
-    print(json.dumps({"folder": str(args.folder), "arms": rows}, indent=1))
+    print(json.dumps({"folder": str(args.folder), "arms": rows, "held_out": held_out}, indent=1))
 
 
 if __name__ == "__main__":

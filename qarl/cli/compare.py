@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "after the arm's own overrides (docs/config.md, [compare])",
     )
     parser.add_argument("--seeds", type=int_list, default=None,
-                        help="seeds to run, e.g. 0,1,2 (default: compare.seeds of the recipe)")
+                        help="seeds to run, e.g. 0,1,2 (default: compare.seeds of the recipe); "
+                        "the recipe's compare.held_out_seeds run too, reported apart")
     parser.add_argument("--arms", type=name_list, default=None,
                         help="arms to run, in this order, e.g. fp-grpo,qarl-tbpo (default: "
                         "every arm not listed in compare.optional)")

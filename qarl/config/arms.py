@@ -31,7 +31,7 @@ class ArmPlan:
     overrides: dict[str, Any]  # command-line overrides, applied to every arm after its own
     arm_overrides: dict[str, dict[str, Any]]  # chosen arm -> compare.overrides + the arm's
     configs: dict[str, RunConfig]  # chosen arm -> resolved config (run.seed not yet set)
-    seeds: list[int]
+    seeds: list[int]  # every seed that runs: compare.seeds, then compare.held_out_seeds
     folder: Path
 
     def run_dir(self, arm: str, seed: int) -> Path:
@@ -85,6 +85,6 @@ def load_arms(recipe: str | Path | None, overrides: Sequence[str] | Mapping[str,
         recipe=path, overrides=dict(overrides),
         arm_overrides={arm: compare.overrides_of(arm) for arm in chosen},
         configs={arm: configs[arm] for arm in chosen},
-        seeds=list(compare.seeds),
+        seeds=list(compare.seeds) + list(compare.held_out_seeds),
         folder=folder,
     )

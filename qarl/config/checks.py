@@ -319,8 +319,9 @@ def wandb_available(log) -> list[Problem]:
 
 def compare_arms_consistent(compare) -> list[Problem]:
     """[compare]: arm names are plain folder names; reference, baseline and every optional
-    name an arm; seeds are distinct and not negative; neither an arm nor compare.overrides
-    sets a run.* key (compare sets each run's seed and folder) or a compare.* key."""
+    name an arm; seeds and held-out seeds are distinct, not negative and in one list only;
+    neither an arm nor compare.overrides sets a run.* key (compare sets each run's seed and
+    folder) or a compare.* key."""
     problems = [Problem(f"compare.arms.{arm}", "is not a plain folder name; use letters, "
                                                "digits, '.', '_' and '-' only")
                 for arm in compare.arms if not re.fullmatch(r"[A-Za-z0-9._-]+", arm)]
@@ -328,12 +329,19 @@ def compare_arms_consistent(compare) -> list[Problem]:
     named += [(f"compare.optional[{i}]", arm) for i, arm in enumerate(compare.optional)]
     problems += [Problem(path, f"{arm!r} is not an arm; {suggest(arm, compare.arms)}")
                  for path, arm in named if arm is not None and arm not in compare.arms]
-    repeated = sorted({seed for seed in compare.seeds if compare.seeds.count(seed) > 1})
-    if repeated:
-        problems.append(Problem("compare.seeds", f"repeats {repeated}; list each seed once"))
-    if any(seed < 0 for seed in compare.seeds):
-        problems.append(Problem("compare.seeds", f"{compare.seeds} holds a negative seed; "
-                                                 "seeds are run.seed values, 0 or more"))
+    for path, seeds in (("compare.seeds", compare.seeds),
+                        ("compare.held_out_seeds", compare.held_out_seeds)):
+        repeated = sorted({seed for seed in seeds if seeds.count(seed) > 1})
+        if repeated:
+            problems.append(Problem(path, f"repeats {repeated}; list each seed once"))
+        if any(seed < 0 for seed in seeds):
+            problems.append(Problem(path, f"{seeds} holds a negative seed; seeds are run.seed "
+                                          "values, 0 or more"))
+    shared = sorted(set(compare.seeds) & set(compare.held_out_seeds))
+    if shared:
+        problems.append(Problem("compare.held_out_seeds", f"{shared} also in compare.seeds; a "
+                                "held-out seed is kept out of the development seeds: list it "
+                                "in one of the two"))
     tables = {"compare.overrides": compare.overrides,
               **{f"compare.arms.{arm}": table for arm, table in compare.arms.items()}}
     for path, table in tables.items():

@@ -36,6 +36,13 @@ class CompareSection(BaseModel):
         description="run.seed of each run of every arm (same seeds, so same prompts and data "
         "order, for every arm); `qarl compare --seeds` overrides it.",
     )
+    held_out_seeds: list[int] = Field(
+        default_factory=list,
+        description="Seeds kept out of the recipe's development: run with `seeds` by `qarl "
+        "compare`, reported apart from them (report.md's held-out table, compare.json's "
+        "`held_out`) and never averaged with them. None by default; "
+        "`--compare.held_out_seeds=[]` runs the development seeds alone.",
+    )
     optional: list[str] = Field(
         default_factory=list,
         description="Arms run only when named with `qarl compare --arms`.",

@@ -2,8 +2,9 @@
 
 The folder holds one run folder per arm and seed, `ARM/seedK/`. A run counts once it is
 finished (its summary.json exists); its numbers come from its metrics.jsonl only, and the
-arms' order, overrides, reference and baseline from the [compare] section of its
-config.toml. Written into the folder: report.md, compare.json and the PNG plots.
+arms' order, overrides, reference, baseline and held-out seeds from the [compare] section of
+its config.toml. The runs of held-out seeds are summarized apart, never with the others.
+Written into the folder: report.md, compare.json and the PNG plots.
 """
 
 from __future__ import annotations
@@ -58,6 +59,18 @@ def compare_section(runs: dict[str, dict[int, Path]]) -> dict[str, Any]:
                 if section:
                     return section
     return {}
+
+
+def split_held_out(runs: dict[str, dict[int, Any]], held_out_seeds: set[int]
+                   ) -> tuple[dict[str, dict[int, Any]], dict[str, dict[int, Any]]]:
+    """(development runs, held-out runs): arm -> seed -> rows, split by seed; an arm with no
+    run on one side is absent there."""
+    def side(keep) -> dict[str, dict[int, Any]]:
+        picked = {arm: {seed: rows for seed, rows in seeds.items() if keep(seed)}
+                  for arm, seeds in runs.items()}
+        return {arm: seeds for arm, seeds in picked.items() if seeds}
+
+    return side(lambda seed: seed not in held_out_seeds), side(lambda seed: seed in held_out_seeds)
 
 
 def _cell(value: Stat | float | None, spec: str = ".3f", suffix: str = "") -> str:
@@ -119,10 +132,21 @@ def _value(entry: dict[str, Any], name: str) -> Stat | float | None:
     return entry["figures"][name] if name in entry["figures"] else entry[name]
 
 
+def _rows(table: dict, columns: list) -> list[str]:
+    """One table of `columns` over the arms of `table`; a figure no arm has is left out."""
+    shown = [column for column in columns if column[1] not in FIGURES
+             or any(e["figures"][column[1]].mean is not None for e in table.values())]
+    return _table(["arm", *(column[0] for column in shown)],
+                  [[f"`{arm}`", *(_cell(_value(entry, name), spec, suffix)
+                                  for _, name, spec, suffix in shown)]
+                   for arm, entry in table.items()])
+
+
 def markdown(table: dict, section: dict[str, Any], unfinished: list[Path],
-             plots: list[Path]) -> str:
+             plots: list[Path], held_out: dict | None = None) -> str:
     """report.md: the arms, the four tables (accuracy and mismatch, error tokens, clips and
-    trust band, time) and the plots."""
+    trust band, time) over the development seeds, the held-out seeds' accuracy table apart
+    (when the folder has held-out runs) and the plots."""
     lines = ["# Comparison report", "",
              "Mean ± sample std over seeds of each run's figure (qarl/report/README.md says how "
              f"each is computed). Reference arm: {_name(section.get('reference'))}; baseline: "
@@ -134,31 +158,40 @@ def markdown(table: dict, section: dict[str, Any], unfinished: list[Path],
         lines += ["Unfinished runs left out: " + ", ".join(f"`{r.parent.name}/{r.name}`"
                                                           for r in unfinished), ""]
     for title, columns in TABLES:
-        shown = [column for column in columns if column[1] not in FIGURES
-                 or any(e["figures"][column[1]].mean is not None for e in table.values())]
-        lines += [f"## {title}", ""]
-        lines += _table(["arm", *(column[0] for column in shown)],
-                        [[f"`{arm}`", *(_cell(_value(entry, name), spec, suffix)
-                                        for _, name, spec, suffix in shown)]
-                         for arm, entry in table.items()])
+        lines += [f"## {title}", "", *_rows(table, columns)]
+    if held_out:
+        seeds = ", ".join(map(str, sorted({s for e in held_out.values() for s in e["seeds"]})))
+        lines += ["## Held-out seeds", "",
+                  f"Seeds {seeds} (compare.held_out_seeds), kept out of the recipe's "
+                  "development: their runs count in no table above, and these figures are "
+                  "theirs alone (gap closed against the reference and baseline of the same "
+                  "seeds).", "", *_rows(held_out, TABLES[0][1])]
     lines += ["## Plots", "", *(f"![{p.stem}]({p.name})" for p in plots), ""]
     return "\n".join(lines)
 
 
-def as_json(table: dict, section: dict[str, Any], unfinished: list[Path]) -> dict[str, Any]:
-    """compare.json: every figure of every arm with its per-seed values."""
+def _arms_json(table: dict, section: dict[str, Any]) -> dict[str, Any]:
+    return {arm: {
+        "overrides": section.get("arms", {}).get(arm),
+        "seeds": entry["seeds"],
+        "gap_closed_pct": entry["gap_closed_pct"],
+        "relative_speed": entry["relative_speed"],
+        "figures": {name: {"mean": s.mean, "std": s.std, "values": s.values}
+                    for name, s in entry["figures"].items()},
+    } for arm, entry in table.items()}
+
+
+def as_json(table: dict, section: dict[str, Any], unfinished: list[Path],
+            held_out: dict | None = None) -> dict[str, Any]:
+    """compare.json: every figure of every arm with its per-seed values, over the
+    development seeds; `held_out`: the same over the held-out seeds alone (null without
+    held-out runs)."""
     return {
         "reference": section.get("reference"),
         "baseline": section.get("baseline"),
         "unfinished": [f"{run.parent.name}/{run.name}" for run in unfinished],
-        "arms": {arm: {
-            "overrides": section.get("arms", {}).get(arm),
-            "seeds": entry["seeds"],
-            "gap_closed_pct": entry["gap_closed_pct"],
-            "relative_speed": entry["relative_speed"],
-            "figures": {name: {"mean": s.mean, "std": s.std, "values": s.values}
-                        for name, s in entry["figures"].items()},
-        } for arm, entry in table.items()},
+        "arms": _arms_json(table, section),
+        "held_out": _arms_json(held_out, section) if held_out else None,
     }
 
 
@@ -189,11 +222,19 @@ def write_report(folder: str | Path) -> list[Path]:
     section = compare_section(finished)
     order = [arm for arm in section.get("arms", {}) if arm in finished]
     order += sorted(arm for arm in finished if arm not in order)
-    runs = {arm: {seed: read_metrics(finished[arm][seed] / "metrics.jsonl")
-                  for seed in sorted(finished[arm])} for arm in order}
+    kept_out = set(section.get("held_out_seeds", []))
+    runs, held_out_runs = split_held_out(
+        {arm: {seed: read_metrics(finished[arm][seed] / "metrics.jsonl")
+               for seed in sorted(finished[arm])} for arm in order}, kept_out)
+    if not runs:
+        raise UserError(f"{folder} holds finished runs of the held-out seeds "
+                        f"{sorted(kept_out)} only; run the development seeds (compare.seeds) "
+                        "too: the report sets the held-out seeds beside them")
     table = summarize(runs, section.get("reference"), section.get("baseline"))
+    held_out = summarize(held_out_runs, section.get("reference"),
+                         section.get("baseline")) if held_out_runs else None
     images = plot_comparison(runs, table, folder)
-    (folder / "compare.json").write_text(jsonio.dumps(as_json(table, section, unfinished),
-                                                    indent=1))
-    (folder / "report.md").write_text(markdown(table, section, unfinished, images))
+    (folder / "compare.json").write_text(jsonio.dumps(
+        as_json(table, section, unfinished, held_out), indent=1))
+    (folder / "report.md").write_text(markdown(table, section, unfinished, images, held_out))
     return [folder / "report.md", folder / "compare.json", *images]

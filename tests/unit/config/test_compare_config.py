@@ -119,11 +119,26 @@ def test_every_bad_arm_is_reported_at_once_with_its_name(tmp_path):
     ({"arms": {}}, "compare.arms: Dictionary should have at least 1 item"),
     ({"arm": ARMS}, "compare.arm: unknown key 'arm'; did you mean 'arms'?"),
     ({"arms": ARMS, "seeds": []}, "compare.seeds: List should have at least 1 item"),
+    ({"arms": ARMS, "held_out_seeds": [3, 3]},
+     "compare.held_out_seeds: repeats [3]; list each seed once"),
+    ({"arms": ARMS, "held_out_seeds": [-3]}, "compare.held_out_seeds: [-3] holds a negative"),
+    ({"arms": ARMS, "seeds": [0, 1], "held_out_seeds": [1, 2]},
+     "compare.held_out_seeds: [1] also in compare.seeds; a held-out seed is kept out"),
 ])
 def test_bad_compare_sections(compare, expected, tmp_path):
     """A malformed [compare] section is refused with the path and what to do."""
     problems = problems_of(tiny_with(tmp_path, compare))
     assert any(p.startswith(expected) for p in problems), problems
+
+
+def test_held_out_seeds_run_after_the_development_seeds(tmp_path):
+    """compare.held_out_seeds run with compare.seeds (after them) whatever --seeds names, and
+    an empty list on the command line leaves them out."""
+    data = tiny_with(tmp_path, {"arms": ARMS, "seeds": [0, 1], "held_out_seeds": [5]})
+    assert load_arms(data).seeds == [0, 1, 5]
+    assert load_arms(data, {"compare.seeds": [2]}).seeds == [2, 5]
+    assert load_arms(data, ["--compare.held_out_seeds=[]"]).seeds == [0, 1]
+    assert load_config(data).compare.held_out_seeds == [5]
 
 
 def test_recipe_without_compare_seed_override_and_repeated_arm():

@@ -177,3 +177,41 @@ def test_pure_pieces():
                                                             [0.75, 1.0])
     table = summarize({"a": {0: rows_of("arm", 0)}})
     assert table["a"]["gap_closed_pct"] is None and table["a"]["relative_speed"] is None
+
+
+def test_held_out_seeds_are_reported_apart(tmp_path):
+    """With compare.held_out_seeds = [1], seed 1's runs count in no figure of the main
+    tables (seed 0 alone there) and have their own: compare.json's `held_out`, and report.md's
+    held-out table, gap closed from the held-out seed's own reference and baseline. A folder
+    with only held-out runs finished is refused, nothing written."""
+    write_fixture(tmp_path)
+    for config in tmp_path.glob("*/seed*/config.toml"):
+        config.write_text(CONFIG.replace("seeds = [0, 1]", "seeds = [0]\nheld_out_seeds = [1]"))
+    write_report(tmp_path)
+    report = json.loads((tmp_path / "compare.json").read_text())
+    main, held_out = report["arms"]["arm"], report["held_out"]["arm"]
+    assert main["seeds"] == [0] and held_out["seeds"] == [1]
+    assert main["figures"]["accuracy_deployed"]["values"] == [0.5]
+    assert held_out["figures"]["accuracy_deployed"]["values"] == [0.75]
+    assert main["gap_closed_pct"] == 50.0 and held_out["gap_closed_pct"] == 100.0  # (x-.25)/.5
+    assert list(report["held_out"]) == ["ref", "base", "arm"]
+    text = (tmp_path / "report.md").read_text()
+    main_text, held_out_text = text.split("## Held-out seeds")
+    assert "| `arm` | 0.500 | 0.500 | 50.0 % |" in main_text
+    assert "Seeds 1 (compare.held_out_seeds)" in held_out_text
+    assert "| `arm` | 0.750 | 1.000 | 100.0 % |" in held_out_text
+    for summary in tmp_path.glob("*/seed0/summary.json"):
+        summary.unlink()
+    (tmp_path / "report.md").unlink()
+    with pytest.raises(UserError, match=r"held-out seeds \[1\] only; run the development"):
+        write_report(tmp_path)
+    assert not (tmp_path / "report.md").exists()
+
+
+def test_without_held_out_seeds_compare_json_says_none(tmp_path):
+    """A comparison without held-out seeds keeps every seed in the main tables and writes
+    `held_out: null`, and its report has no held-out table."""
+    write_fixture(tmp_path)
+    write_report(tmp_path)
+    assert json.loads((tmp_path / "compare.json").read_text())["held_out"] is None
+    assert "## Held-out seeds" not in (tmp_path / "report.md").read_text()

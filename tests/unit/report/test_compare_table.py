@@ -75,3 +75,15 @@ def test_refuses_an_unfinished_comparison(tmp_path):
                            str(tmp_path), "--results"], capture_output=True, text=True)
     assert done.returncode != 0
     assert "fake-tbpo/seed2" in done.stderr and "resumes" in done.stderr
+
+
+def test_held_out_rows_come_from_the_held_out_part_alone():
+    """The held-out seeds' rows are read from compare.json's `held_out`, apart from the
+    development rows; a comparison without held-out seeds has none."""
+    held = {**COMPARE, "held_out": {"fake-tbpo": {**_entry([0.5], 0.0, 10.0), "seeds": [3]}}}
+    rows, held_out = compare_table.figures(held), compare_table.figures(held, "held_out")
+    assert rows["fake-tbpo"]["deployed"] == [0.025, 0.35, 0.35]
+    assert list(held_out) == ["fake-tbpo"]
+    assert (held_out["fake-tbpo"]["seeds"], held_out["fake-tbpo"]["deployed"]) == ([3], [0.5])
+    assert compare_table.figures(COMPARE, "held_out") == {}
+    assert compare_table.figures({**COMPARE, "held_out": None}, "held_out") == {}

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from qarl.config import ConfigError, load_config
 from qarl.quant import SCHEMES
 from qarl.rollout import LocalEngine
+from qarl.train.learner.embedding import rows_into_gradient
 from qarl.train.learner.logprobs import ForwardScorer, response_logprobs
 from qarl.train.phases import Experience
 from qarl.train.budgets import FLOOR
@@ -229,6 +230,8 @@ def test_the_old_logp_phase_runs_the_updates_first_forward_ahead(tmp_path, monke
                                                            precision), precision, config.train,
                                       solo=False),
                                [torch.optim.AdamW(model.parameters(), lr=1e-3)])
+        # solo=False only to keep it from reading ahead: the same embedding gradient path
+        rows_into_gradient(model, learner.passes.rows_into_gradient)
         learner.optimizers = [torch.optim.AdamW(learner.model.parameters(), lr=1e-3)]
         assert learner.passes.reads_ahead and not plain.passes.reads_ahead
         scored, forwards = [], []

@@ -15,6 +15,8 @@ weight's accumulation, and so the hook, at every backward.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -45,10 +47,15 @@ class RowsEmbedding(nn.Embedding):
         self.weight = weight  # the Parameter itself: nn.Embedding's own would wrap a new one
         self.on = True
         self.pending: list[tuple[Tensor, Tensor]] = []  # (ids [n], rows [n, H]) per call
-        weight.register_post_accumulate_grad_hook(self._add_rows)
+        # the weight whose gradient takes the rows: hooks stay with a tensor, not its copies,
+        # so a deep copy of the model (a weakref copies as itself) hooks its own weight anew
+        self._hooked: weakref.ref | None = None
 
     def forward(self, ids: Tensor) -> Tensor:  # ids [...] -> [..., H]
         if self.on and torch.is_grad_enabled() and self.weight.requires_grad:
+            if self._hooked is None or self._hooked() is not self.weight:
+                self.weight.register_post_accumulate_grad_hook(self._add_rows)
+                self._hooked = weakref.ref(self.weight)
             return _Rows.apply(self.weight, ids, self.pending)
         return super().forward(ids)
 
@@ -62,13 +69,20 @@ class RowsEmbedding(nn.Embedding):
 def rows_into_gradient(model: nn.Module, on: bool) -> bool:
     """Give a tied learner `model` a `RowsEmbedding` (once) and turn it on or off (off: learner
     ranks, whose collectives run on the weights' own gradient path); -> whether it is on. A
-    model whose embedding is not tied to its lm_head keeps autograd's embedding."""
+    model whose embedding is not tied to its lm_head, or is frozen, keeps autograd's
+    embedding."""
     body = getattr(model, "model", None)
     embed = getattr(body, "embed_tokens", None)
     head = getattr(model, "lm_head", None)
     if not isinstance(embed, nn.Embedding) or getattr(head, "weight", None) is not embed.weight:
         return False
+    if not embed.weight.requires_grad:  # a frozen base (LoRA): no gradient to add to
+        if isinstance(embed, RowsEmbedding):
+            embed.on = False
+        return False
     if not isinstance(embed, RowsEmbedding):
+        if not on:  # never a new module once others hold this one (FSDP's shards do)
+            return False
         if embed.padding_idx is not None or embed.max_norm is not None or embed.sparse:
             return False  # options F.embedding's plain call would drop
         embed = body.embed_tokens = RowsEmbedding(embed.weight)

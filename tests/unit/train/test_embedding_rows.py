@@ -28,10 +28,14 @@ def _batch(seed: int) -> RolloutBatch:
                         response_mask, torch.zeros(N, L), finish_reasons=["stop"] * N)
 
 
-def _grads(model, rows: bool) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient after two micro-batches' backward passes, accumulated."""
+def _grads(model, rows: bool, copied: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient after two micro-batches' backward passes, accumulated;
+    copied: of a deep copy of the model taken after the embedding was set up."""
     model = copy.deepcopy(model)
     assert rows_into_gradient(model, rows) is rows
+    if copied:
+        LP.response_logprobs(model, _batch(0))  # the original hooks its weight first
+        model = copy.deepcopy(model)
     for seed in (0, 1):
         logp, _ = LP.response_logprobs(model, _batch(seed))
         weights = torch.randn(N, L, generator=torch.Generator().manual_seed(10 + seed))
@@ -53,14 +57,15 @@ def test_rows_into_the_gradient_equal_autograds_dense_embedding_backward(tiny):
     """Every gradient equals autograd's to fp32 summation order (the tied weight's sums its
     lm_head, prompt and response parts in another order: a few ulps of its largest entry),
     the other parameters' bit for bit."""
-    dense, rows = _grads(tiny, rows=False), _grads(tiny, rows=True)
+    dense = _grads(tiny, rows=False)
     tied = "model.embed_tokens.weight"
-    for name, grad in dense.items():
-        if name == tied:
-            assert (rows[name] - grad).abs().max() <= 1e-6 * grad.abs().max()
-            assert not torch.equal(grad, torch.zeros_like(grad))
-        else:
-            assert torch.equal(rows[name], grad), name
+    for rows in (_grads(tiny, rows=True), _grads(tiny, rows=True, copied=True)):
+        for name, grad in dense.items():
+            if name == tied:
+                assert (rows[name] - grad).abs().max() <= 1e-6 * grad.abs().max()
+                assert not torch.equal(grad, torch.zeros_like(grad))
+            else:
+                assert torch.equal(rows[name], grad), name
 
 
 def test_the_tie_names_and_parameters_survive(tiny):
@@ -75,6 +80,9 @@ def test_the_tie_names_and_parameters_survive(tiny):
     assert [id(p) for p in model.parameters()] == [id(p) for p in params]
     rows_into_gradient(model, False)  # learner ranks: autograd's own path again
     assert model.model.embed_tokens is embed and not embed.on
+    plain = copy.deepcopy(tiny)
+    assert rows_into_gradient(plain, False) is False  # off: the module stays nn.Embedding
+    assert type(plain.model.embed_tokens) is nn.Embedding
 
 
 def test_an_untied_or_frozen_embedding_keeps_autograds_path(tiny):
@@ -82,6 +90,10 @@ def test_an_untied_or_frozen_embedding_keeps_autograds_path(tiny):
     untied.lm_head.weight = nn.Parameter(untied.lm_head.weight.detach().clone())
     assert rows_into_gradient(untied, True) is False
     assert type(untied.model.embed_tokens) is nn.Embedding
+    base = copy.deepcopy(tiny)
+    base.model.embed_tokens.weight.requires_grad_(False)  # LoRA's frozen base
+    assert rows_into_gradient(base, True) is False
+    assert type(base.model.embed_tokens) is nn.Embedding
     frozen = copy.deepcopy(tiny)
     rows_into_gradient(frozen, True)
     frozen.model.embed_tokens.weight.requires_grad_(False)  # LoRA: the base stays

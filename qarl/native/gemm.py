@@ -189,26 +189,24 @@ def qdq_s8_rows_bf16(x: Tensor) -> Tensor:
 def dequant_s8_bf16(codes: Tensor, scales: Tensor) -> Tensor:
     """codes [N, K] int8, scales [N] float32 -> [N, K] bfloat16: `(codes * scales[:, None])
     .bfloat16()` bit for bit, in one pass without the fp32 tensor between."""
-    if codes.dim() != 2 or codes.dtype != torch.int8 or scales.shape != codes.shape[:1]:
-        raise ValueError(f"dequant_s8_bf16 expects int8 codes [N, K] and scales [N], got "
-                         f"{codes.dtype} {tuple(codes.shape)}, {tuple(scales.shape)}")
-    codes, scales = codes.contiguous(), scales.float().contiguous()
-    out = torch.empty(codes.shape, dtype=torch.bfloat16)
-    _lib().qarl_dequant_s8_bf16(codes.data_ptr(), scales.data_ptr(), codes.shape[0],
-                                codes.shape[1], out.data_ptr(), _threads())
-    return out
+    return _dequant_s8(codes, scales, torch.bfloat16)
 
 
 def dequant_s8_f32(codes: Tensor, scales: Tensor) -> Tensor:
     """codes [N, K] int8, scales [N] float32 -> [N, K] float32: `codes * scales[:, None]` bit
     for bit, in one pass (torch converts the codes in a pass of their own first)."""
+    return _dequant_s8(codes, scales, torch.float32)
+
+
+def _dequant_s8(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+    name = {torch.bfloat16: "dequant_s8_bf16", torch.float32: "dequant_s8_f32"}[dtype]
     if codes.dim() != 2 or codes.dtype != torch.int8 or scales.shape != codes.shape[:1]:
-        raise ValueError(f"dequant_s8_f32 expects int8 codes [N, K] and scales [N], got "
+        raise ValueError(f"{name} expects int8 codes [N, K] and scales [N], got "
                          f"{codes.dtype} {tuple(codes.shape)}, {tuple(scales.shape)}")
     codes, scales = codes.contiguous(), scales.float().contiguous()
-    out = torch.empty(codes.shape, dtype=torch.float32)
-    _lib().qarl_dequant_s8_f32(codes.data_ptr(), scales.data_ptr(), codes.shape[0],
-                               codes.shape[1], out.data_ptr(), _threads())
+    out = torch.empty(codes.shape, dtype=dtype)
+    getattr(_lib(), f"qarl_{name}")(codes.data_ptr(), scales.data_ptr(), codes.shape[0],
+                                    codes.shape[1], out.data_ptr(), _threads())
     return out
 
 

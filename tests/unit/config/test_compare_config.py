@@ -165,7 +165,7 @@ def test_no_arm_and_a_train_run_folder_are_refused(tmp_path):
         "--run.output_dir"]
 
 
-@pytest.mark.parametrize("recipe", ["compare", "tiny"])
+@pytest.mark.parametrize("recipe", ["compare", "tiny", "claim", "claim_quick"])
 def test_first_step_prompts_equal_across_arms(recipe):
     """Every arm (optional ones too) sees the same prompts at a step: they follow from
     (run.seed, step) and the task, which no shipped arm changes."""

@@ -42,7 +42,10 @@ def run(args: argparse.Namespace) -> int:
         print(err, file=sys.stderr)
         return 2
     runs = plan_runs(plan)
-    print(f"{len(runs)} runs ({len(plan.configs)} arms x seeds {plan.seeds}) in "
+    held_out = next(iter(plan.configs.values())).compare.held_out_seeds
+    seeds = [seed for seed in plan.seeds if seed not in held_out]
+    print(f"{len(runs)} runs ({len(plan.configs)} arms x seeds {seeds}"
+          + (f" and held-out {held_out}" if held_out else "") + f") in "
           f"{plan.folder}, {args.jobs} at a time", file=sys.stderr)
     try:
         failed = run_all(plan, runs, args.jobs)

@@ -185,3 +185,18 @@ def test_runs_start_after_their_warm_start(tmp_path, monkeypatch, recorded_popen
     with pytest.raises(KeyboardInterrupt):
         compare_runs.run_all(plan, runs, jobs=2)
     assert len(recorded_popen) == 1 and recorded_popen[0].poll() is not None
+
+
+def test_held_out_seeds_run_after_the_others_and_are_named(tmp_path, monkeypatch, capsys):
+    """`qarl compare` runs compare.held_out_seeds after compare.seeds for every arm and says
+    which seeds are held out before it starts."""
+    from qarl.cli import main
+
+    started = []
+    monkeypatch.setattr(compare_runs, "run_all",
+                        lambda plan, runs, jobs: started.extend(runs) or list(runs))
+    assert main(["compare", "claim_quick", "--arms", "fp-grpo,kernel-tbpo",
+                 f"--run.output_dir={tmp_path}"]) == 1  # every run "failed": no report
+    assert [(run.arm, run.seed) for run in started] == [
+        ("fp-grpo", 0), ("fp-grpo", 1), ("kernel-tbpo", 0), ("kernel-tbpo", 1)]
+    assert "4 runs (2 arms x seeds [0] and held-out [1])" in capsys.readouterr().err

@@ -1,7 +1,9 @@
 """A finished `qarl compare` folder's table, from its compare.json: per arm, the deployed
 policy's held-out accuracy by seed (mean ± half the range), the master weights' accuracy, the
 gap closed, and the training means of the mismatch, clips, band drops, error-token rates and
-seconds per step, as one JSON object; `--results` also writes the table into docs/results.md
+seconds per step, as one JSON object, with what the table lets a reader judge (`reading`: how
+far one evaluation moves, each arm against the baseline seed by seed, where the trust band and
+the clips acted); `--results` also writes the table and that reading into docs/results.md
 (section `compare-RECIPE` unless `--key`), so a new comparison regenerates the table instead of
 leaving it stale.
 
@@ -49,7 +51,8 @@ def figures(table: dict, part: str = "arms") -> dict:
     for arm, entry in (table.get(part) or {}).items():
         figs = entry["figures"]
         deployed = figs["accuracy_deployed"]["values"]
-        out[arm] = {"seeds": entry["seeds"], "deployed": deployed,
+        before = (figs.get("accuracy_deployed_first") or {}).get("values") or []
+        out[arm] = {"seeds": entry["seeds"], "deployed": deployed, "before": before,
                     "mean": sum(deployed) / len(deployed) if deployed else None,
                     "half_range": (max(deployed) - min(deployed)) / 2 if deployed else None,
                     **{key: figs[key]["mean"] if key in figs else entry.get(key)
@@ -81,17 +84,85 @@ def markdown(rows: dict, table: dict) -> str:
 
 
 def glance(rows: dict, table: dict, recipe: str) -> tuple[str, str] | None:
-    """(what, reading): the reference arm's deployed accuracy and the best other arm's."""
+    """(what, reading): the reference and baseline arms' mean deployed accuracy and the best
+    other arm's."""
     measured = {arm: row["mean"] for arm, row in rows.items() if row["mean"] is not None}
-    reference = table.get("reference")
-    others = {arm: mean for arm, mean in measured.items() if arm != reference}
+    reference, baseline = table.get("reference"), table.get("baseline")
+    others = {arm: mean for arm, mean in measured.items() if arm not in (reference, baseline)}
     if not others:
         return None
     best = max(others, key=others.get)
-    reading = f"best arm `{best}` {others[best]:.3f}"
-    if reference in measured:
-        reading = f"reference `{reference}` {measured[reference]:.3f}; {reading}"
+    named = [f"{role} `{arm}` {measured[arm]:.3f}" for role, arm in
+             (("reference", reference), ("baseline", baseline)) if arm in measured]
+    reading = "; ".join([*named, f"best other arm `{best}` {others[best]:.3f}"])
     return f"`qarl compare {recipe}`: deployed held-out accuracy", reading
+
+
+def paired(rows: dict, arm: str, other: str) -> list[float] | None:
+    """arm's deployed accuracy minus other's, seed by seed (None unless both have every seed)."""
+    a, b = rows.get(arm), rows.get(other)
+    if not a or not b or a["seeds"] != b["seeds"]:
+        return None
+    if not (len(a["deployed"]) == len(b["deployed"]) == len(a["seeds"])):
+        return None
+    return [x - y for x, y in zip(a["deployed"], b["deployed"])]
+
+
+def verdict(diffs: list[float]) -> str:
+    """Whether seed-by-seed differences agree in sign."""
+    if len(diffs) == 1:
+        return "one seed"
+    if all(d > 0 for d in diffs):
+        return "above in every seed"
+    if all(d < 0 for d in diffs):
+        return "below in every seed"
+    return "no consistent sign"
+
+
+def signed(values: list[float]) -> str:
+    return " / ".join(f"{v:+.3f}" for v in values)
+
+
+def reading(rows: dict, table: dict, what: str = "seeds") -> list[str]:
+    """The figures a reader needs to judge the table, computed from it: how far one evaluation
+    moves (the same starting weights evaluated with each seed's sampling), each arm against the
+    baseline seed by seed, each arm's change from its own start, and where the trust band and
+    the clips acted. Rules, not judgement: a difference counts as consistent only when every
+    seed agrees in sign."""
+    lines = []
+    baseline, reference = table.get("baseline"), table.get("reference")
+    starts = {arm: row["before"] for arm, row in rows.items()
+              if len(row["before"]) == len(row["seeds"]) > 1}
+    if baseline in starts:
+        low, high = min(starts[baseline]), max(starts[baseline])
+        lines.append(f"Evaluation noise ({what}): every seed starts from the same weights, and "
+                     f"the baseline `{baseline}`'s deployed policy scored {low:.3f} to "
+                     f"{high:.3f} before training (one evaluation per seed); differences "
+                     f"smaller than that spread ({high - low:.3f}) are within one "
+                     "evaluation's noise.")
+    for arm in rows:
+        if arm == baseline:
+            continue
+        diffs = paired(rows, arm, baseline)
+        if diffs is None:
+            continue
+        mean = sum(diffs) / len(diffs)
+        text = (f"`{arm}` − `{baseline}`, seed by seed: {signed(diffs)} (mean {mean:+.3f}; "
+                f"{verdict(diffs)})")
+        if arm in starts:
+            moved = [after - before for after, before in zip(rows[arm]["deployed"], starts[arm])]
+            text += f"; its own change from the start: {signed(moved)}"
+        lines.append(text + ".")
+    band = {arm: row for arm, row in rows.items() if row.get("band_drop") is not None}
+    for arm, row in band.items():
+        lines.append(f"`{arm}`: the trust band dropped {row['band_drop']:.3f} of the sequences; "
+                     f"clipped {row['clip_frac']:.3f} of the sequences "
+                     f"({row['clip_frac_neg']:.3f} of those with A < 0).")
+    if reference in rows and baseline in rows and rows[reference]["mean"] is not None:
+        gap = rows[reference]["mean"] - rows[baseline]["mean"]
+        lines.append(f"The gap to close ({what}): `{reference}` − `{baseline}` = {gap:+.3f} "
+                     "in mean deployed accuracy.")
+    return lines
 
 
 def arms_note(table: dict) -> str:
@@ -132,12 +203,19 @@ def main() -> None:
         if held_out:
             body += ("\n\nThe held-out seeds (compare.held_out_seeds), kept out of the recipe's "
                      "development and out of the table above:\n\n" + markdown(held_out, table))
+        lines = reading(rows, table, "development seeds")
+        if held_out:
+            lines += reading(held_out, table, "held-out seeds")
+        if lines:
+            body += "\n\nRead from the table:\n\n" + "\n".join(f"- {line}" for line in lines)
         notes = (f"From the finished runs of `qarl compare {recipe}` in `{args.folder}`. {NOTES} "
                  f"The arms' overrides of the recipe:\n\n{arms_note(table)}")
         write_section(args.key or f"compare-{recipe}", f"Comparison: the {recipe} recipe",
                       this_command(), body, notes=notes,
                       glance=glance(rows, table, recipe), machine=args.machine)
-    print(json.dumps({"folder": str(args.folder), "arms": rows, "held_out": held_out}, indent=1))
+    print(json.dumps({"folder": str(args.folder), "arms": rows, "held_out": held_out,
+                      "reading": reading(rows, table, "development seeds")
+                      + reading(held_out, table, "held-out seeds")}, indent=1))
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ Runs = Mapping[str, Mapping[int, Rows]]  # arm -> seed -> metrics rows
 # The step's phases (trainer PhaseTimer); a step's time is their sum.
 PHASES = ("generate", "reward", "old_logp", "update", "sync")
 
-# figure -> (reduction over one run, metrics key). "final": the value at the run's last
-# evaluation; "mean" / "max" / "min": over its training steps (rows without the key skipped).
+# figure -> (reduction over one run, metrics key). "final" / "first": the value at the run's
+# last / first evaluation; "mean" / "max" / "min": over its training steps (rows without the
+# key skipped).
 # A key "a|b" takes a, or b where a row has no a.
 # The deployed policy is the quantized engine; a run without quantization (quant.scheme =
 # "none") logs only `_full_precision` evaluations, and there that policy is the deployed one.
@@ -29,6 +30,8 @@ DEPLOYED_KEY = "eval/accuracy_quantized|eval/accuracy_full_precision"
 FIGURES: dict[str, tuple[str, str]] = {
     DEPLOYED: ("final", DEPLOYED_KEY),
     "accuracy_master": ("final", "eval/accuracy_full_precision"),
+    f"{DEPLOYED}_first": ("first", DEPLOYED_KEY),  # before training, where evaluated at step 0
+    "accuracy_master_first": ("first", "eval/accuracy_full_precision"),
     "reward": ("mean", "reward/mean"),
     "abs_diff_mean": ("mean", "mismatch/abs_diff_mean"),
     "abs_diff_max": ("max", "mismatch/abs_diff_max"),
@@ -100,11 +103,12 @@ def eval_rows(rows: Rows) -> Rows:
 def run_figures(rows: Rows) -> dict[str, float | None]:
     """Every figure of FIGURES for one run; None where the run has no value for it."""
     train, evals = train_rows(rows), eval_rows(rows)
-    last_eval = max(evals, key=lambda row: row["step"]) if evals else {}
+    at = {"first": min(evals, key=lambda row: row["step"]) if evals else {},
+          "final": max(evals, key=lambda row: row["step"]) if evals else {}}
     figures: dict[str, float | None] = {}
     for name, (reduction, key) in FIGURES.items():
-        if reduction == "final":
-            figures[name] = value_of(last_eval, key)
+        if reduction in at:
+            figures[name] = value_of(at[reduction], key)
             continue
         values = [v for v in (value_of(row, key) for row in train) if v is not None]
         figures[name] = REDUCE[reduction](values) if values else None

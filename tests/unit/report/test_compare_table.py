@@ -63,7 +63,54 @@ def test_the_glance_names_the_reference_and_the_best_other_arm():
     """The glance reads the reference arm's mean deployed accuracy and the best other arm's."""
     what, reading = compare_table.glance(compare_table.figures(COMPARE), COMPARE, "tbpo")
     assert what == "`qarl compare tbpo`: deployed held-out accuracy"
-    assert reading == "reference `fp-grpo` 0.825; best arm `fake-tbpo` 0.242"
+    assert reading == "reference `fp-grpo` 0.825; best other arm `fake-tbpo` 0.242"
+    with_baseline = {**COMPARE, "arms": {**COMPARE["arms"],
+                                         "naive-grpo": _entry([0.2, 0.3, 0.1], None, 0.0)}}
+    _, reading = compare_table.glance(compare_table.figures(with_baseline), with_baseline, "x")
+    assert reading == ("reference `fp-grpo` 0.825; baseline `naive-grpo` 0.200; "
+                       "best other arm `fake-tbpo` 0.242")
+
+
+def _started(entry, before):
+    figs = {**entry["figures"], "accuracy_deployed_first": {"mean": None, "values": before}}
+    return {**entry, "figures": figs}
+
+
+def test_the_reading_pairs_seeds_and_measures_the_evaluation_noise():
+    """The reading: the baseline's spread before training (same weights, one evaluation per
+    seed) is the evaluation's noise; each arm minus the baseline seed by seed, with a sign
+    verdict only when every seed agrees, and its change from its own start; the trust band's
+    drops and the clips of the arms that have a band; the gap between reference and
+    baseline."""
+    table = {**COMPARE, "arms": {
+        "fp-grpo": _started(_entry([0.75, 0.925, 0.8], None, 100.0), [0.7, 0.9, 0.8]),
+        "naive-grpo": _started(_entry([0.25, 0.3, 0.35], None, 0.0), [0.3, 0.35, 0.25]),
+        "fake-tbpo": _started(_entry([0.3, 0.35, 0.3], 0.125, None), [0.3, 0.35, 0.25]),
+    }}
+    lines = compare_table.reading(compare_table.figures(table), table)
+    assert lines[0].startswith("Evaluation noise (seeds): ")
+    assert "scored 0.250 to 0.350 before training" in lines[0] and "(0.100)" in lines[0]
+    assert lines[1] == ("`fp-grpo` − `naive-grpo`, seed by seed: +0.500 / +0.625 / +0.450 "
+                        "(mean +0.525; above in every seed); its own change from the start: "
+                        "+0.050 / +0.025 / +0.000.")
+    assert lines[2] == ("`fake-tbpo` − `naive-grpo`, seed by seed: +0.050 / +0.050 / -0.050 "
+                        "(mean +0.017; no consistent sign); its own change from the start: "
+                        "+0.000 / +0.000 / +0.050.")
+    assert lines[3] == ("`fake-tbpo`: the trust band dropped 0.125 of the sequences; clipped "
+                        "0.500 of the sequences (0.500 of those with A < 0).")
+    assert lines[4] == ("The gap to close (seeds): `fp-grpo` − `naive-grpo` = +0.525 in mean "
+                        "deployed accuracy.")
+    assert len(lines) == 5
+    # seeds that do not match pair nothing; one seed has no spread and no sign verdict
+    table["arms"]["fake-tbpo"] = {**table["arms"]["fake-tbpo"], "seeds": [3]}
+    assert not any(line.startswith("`fake-tbpo` −") for line in
+                   compare_table.reading(compare_table.figures(table), table))
+    one = {**table, "arms": {arm: {**_started(_entry([v], None, None), [0.5]), "seeds": [3]}
+                             for arm, v in (("fp-grpo", 0.8), ("naive-grpo", 0.3))}}
+    lines = compare_table.reading(compare_table.figures(one), one, "held-out seeds")
+    assert lines == ["`fp-grpo` − `naive-grpo`, seed by seed: +0.500 (mean +0.500; one seed).",
+                     "The gap to close (held-out seeds): `fp-grpo` − `naive-grpo` = +0.500 in "
+                     "mean deployed accuracy."]
 
 
 def test_refuses_an_unfinished_comparison(tmp_path):

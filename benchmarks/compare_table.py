@@ -32,6 +32,7 @@ COLUMNS = [("master", ("accuracy_master",), "{:.2f}"),
            ("band drops", ("band_drop",), "{:.3f}"), ("garbled", ("garbled",), "{:.3f}"),
            ("low-prob tokens", ("lowprob_tokens",), "{:.4f}"),
            ("repeated 4-grams", ("rep_ngram",), "{:.3f}"), ("truncated", ("truncated",), "{:.3f}"),
+           ("codes changed / step", ("changed_code_frac",), "{:.3%}"),
            ("s/step", ("time_step",), "{:.1f}")]
 NOTES = ("Deployed: the deployed policy's held-out accuracy at the last evaluation (the "
          "quantized engine's; full precision's in an arm without quantization), mean ± half "
@@ -39,9 +40,11 @@ NOTES = ("Deployed: the deployed policy's held-out accuracy at the last evaluati
          "weights' (mean over seeds); gap closed: how much of the baseline's gap to the "
          "reference the arm's mean deployed accuracy closes. The other columns are means over "
          "training steps, then over seeds: mean |Δlogp| between the learner's and the "
-         "sampler's logprobs; the clipped share of tokens (of those with A < 0); the trust "
-         "band's dropped tokens; the error-token rates of the training rollouts; seconds per "
-         "step. qarl/report/README.md defines each figure.")
+         "sampler's logprobs; the clipped share of tokens (of sequences under TBPO's "
+         "sequence-level loss; in brackets, of those with A < 0); the share of sequences the "
+         "trust band dropped; the error-token rates of the training rollouts; the share of the "
+         "deployed codes each push changed; seconds per step. qarl/report/README.md defines "
+         "each figure.")
 
 
 def figures(table: dict, part: str = "arms") -> dict:

@@ -50,6 +50,7 @@ FIGURES: dict[str, tuple[str, str]] = {
     "lowprob_tokens": ("mean", "errors/lowprob_tokens"),
     "garbled": ("mean", "errors/garbled"),
     "entropy": ("mean", "policy/entropy"),
+    "changed_code_frac": ("mean", "sync/changed_code_frac"),  # deployed codes moved per push
     "over_budget": ("mean", "contract/over_budget"),  # fraction of steps over the budget
     "monitor_alerts": ("mean", "monitor/alert"),  # fraction of steps a monitor alerted at
     **{f"time_{phase}": ("mean", f"time/{phase}") for phase in PHASES},

@@ -48,7 +48,8 @@ def rows_of(arm: str, seed: int) -> list[dict]:
     train = [{"step": step, "kind": "train", "reward/mean": 0.25 * step + seed,
               "mismatch/abs_diff_mean": 0.125 * step, "mismatch/abs_diff_max": step + seed,
               "mismatch/seq_ratio_min": 1.0 - 0.25 * step, "errors/rep_ngram": None,
-              "errors/truncated": 0.5 * (step - 1), **times} for step in (1, 2)]
+              "errors/truncated": 0.5 * (step - 1), "sync/changed_code_frac": 0.25 * step,
+              **times} for step in (1, 2)]
     return [evals[0], train[0], evals[1], train[1], evals[2]]
 
 
@@ -82,6 +83,11 @@ def test_table_numbers_from_fixture(tmp_path):
     assert figures["accuracy_deployed"] == {"mean": 0.625, "std": math.sqrt(0.03125),
                                             "values": [0.5, 0.75]}
     assert figures["accuracy_master"]["mean"] == 0.75
+    # the first evaluation (step 0), not the middle one; the reference's is full precision's
+    assert figures["accuracy_deployed_first"]["values"] == [0.0, 0.0]
+    assert figures["accuracy_master_first"]["values"] == [0.0, 0.0]
+    assert ref["figures"]["accuracy_deployed_first"]["values"] == [0.0, 0.0]
+    assert figures["changed_code_frac"]["values"] == [0.375, 0.375]  # mean of 0.25, 0.5
     # the unquantized reference is deployed at full precision
     assert ref["figures"]["accuracy_deployed"] == {"mean": 0.75, "std": 0.0,
                                                    "values": [0.75, 0.75]}

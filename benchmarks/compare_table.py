@@ -56,6 +56,9 @@ def figures(table: dict, part: str = "arms") -> dict:
         deployed = figs["accuracy_deployed"]["values"]
         before = (figs.get("accuracy_deployed_first") or {}).get("values") or []
         out[arm] = {"seeds": entry["seeds"], "deployed": deployed, "before": before,
+                    "master": (figs.get("accuracy_master") or {}).get("values") or [],
+                    "master_before": (figs.get("accuracy_master_first") or {}).get("values")
+                    or [],
                     "mean": sum(deployed) / len(deployed) if deployed else None,
                     "half_range": (max(deployed) - min(deployed)) / 2 if deployed else None,
                     **{key: figs[key]["mean"] if key in figs else entry.get(key)
@@ -88,7 +91,7 @@ def markdown(rows: dict, table: dict) -> str:
 
 def glance(rows: dict, table: dict, recipe: str) -> tuple[str, str] | None:
     """(what, reading): the reference and baseline arms' mean deployed accuracy and the best
-    other arm's."""
+    other arm's, with the share of the gap it closes."""
     measured = {arm: row["mean"] for arm, row in rows.items() if row["mean"] is not None}
     reference, baseline = table.get("reference"), table.get("baseline")
     others = {arm: mean for arm, mean in measured.items() if arm not in (reference, baseline)}
@@ -97,7 +100,9 @@ def glance(rows: dict, table: dict, recipe: str) -> tuple[str, str] | None:
     best = max(others, key=others.get)
     named = [f"{role} `{arm}` {measured[arm]:.3f}" for role, arm in
              (("reference", reference), ("baseline", baseline)) if arm in measured]
-    reading = "; ".join([*named, f"best other arm `{best}` {others[best]:.3f}"])
+    closed = rows[best].get("gap_closed_pct")
+    closed = "" if closed is None else f" ({closed:.0f} % of the gap closed)"
+    reading = "; ".join([*named, f"best other arm `{best}` {others[best]:.3f}{closed}"])
     return f"`qarl compare {recipe}`: deployed held-out accuracy", reading
 
 
@@ -111,14 +116,17 @@ def paired(rows: dict, arm: str, other: str) -> list[float] | None:
     return [x - y for x, y in zip(a["deployed"], b["deployed"])]
 
 
-def verdict(diffs: list[float]) -> str:
-    """Whether seed-by-seed differences agree in sign."""
+def verdict(diffs: list[float], noise: float | None) -> str:
+    """Whether seed-by-seed differences agree in sign, and whether each exceeds the noise."""
     if len(diffs) == 1:
         return "one seed"
-    if all(d > 0 for d in diffs):
-        return "above in every seed"
-    if all(d < 0 for d in diffs):
-        return "below in every seed"
+    if all(d > 0 for d in diffs) or all(d < 0 for d in diffs):
+        side = "above" if diffs[0] > 0 else "below"
+        if noise is None:
+            return f"{side} in every seed"
+        beyond = all(abs(d) > noise for d in diffs)
+        return f"{side} in every seed, " + ("each by more than the noise" if beyond
+                                             else "not every seed beyond the noise")
     return "no consistent sign"
 
 
@@ -126,22 +134,31 @@ def signed(values: list[float]) -> str:
     return " / ".join(f"{v:+.3f}" for v in values)
 
 
-def reading(rows: dict, table: dict, what: str = "seeds") -> list[str]:
+def changes(after: list[float], before: list[float]) -> list[float]:
+    return [a - b for a, b in zip(after, before)]
+
+
+def reading(rows: dict, table: dict) -> list[str]:
     """The figures a reader needs to judge the table, computed from it: how far one evaluation
-    moves (the same starting weights evaluated with each seed's sampling), each arm against the
-    baseline seed by seed, each arm's change from its own start, and where the trust band and
-    the clips acted. Rules, not judgement: a difference counts as consistent only when every
-    seed agrees in sign."""
+    moves (every seed's runs start from the same weights, evaluated with each seed's sampling:
+    the widest spread of the reference's and the baseline's starts), each arm against the
+    baseline seed by seed, each arm's deployed and master change from its own start, and where
+    the trust band and the clips acted. Rules, not judgement: a difference counts as
+    consistent only when every seed agrees in sign, and as beyond the noise only when each
+    seed's exceeds that spread."""
     lines = []
     baseline, reference = table.get("baseline"), table.get("reference")
     starts = {arm: row["before"] for arm, row in rows.items()
               if len(row["before"]) == len(row["seeds"]) > 1}
-    if baseline in starts:
-        low, high = min(starts[baseline]), max(starts[baseline])
-        lines.append(f"Evaluation noise ({what}): every seed starts from the same weights, and "
-                     f"the baseline `{baseline}`'s deployed policy scored {low:.3f} to "
-                     f"{high:.3f} before training (one evaluation per seed); differences "
-                     f"smaller than that spread ({high - low:.3f}) are within one "
+    spreads = {arm: max(starts[arm]) - min(starts[arm]) for arm in (reference, baseline)
+               if arm in starts}
+    noise = max(spreads.values()) if spreads else None
+    if spreads:
+        scored = "; ".join(f"`{arm}` {min(starts[arm]):.3f} to {max(starts[arm]):.3f}"
+                           for arm in spreads)
+        lines.append(f"Evaluation noise: every seed's runs start from the same weights, "
+                     f"evaluated once per seed before training: {scored} (deployed policy). "
+                     f"A difference within the widest spread ({noise:.3f}) is within one "
                      "evaluation's noise.")
     for arm in rows:
         if arm == baseline:
@@ -151,11 +168,18 @@ def reading(rows: dict, table: dict, what: str = "seeds") -> list[str]:
             continue
         mean = sum(diffs) / len(diffs)
         text = (f"`{arm}` − `{baseline}`, seed by seed: {signed(diffs)} (mean {mean:+.3f}; "
-                f"{verdict(diffs)})")
+                f"{verdict(diffs, noise)})")
         if arm in starts:
-            moved = [after - before for after, before in zip(rows[arm]["deployed"], starts[arm])]
+            moved = changes(rows[arm]["deployed"], starts[arm])
             text += f"; its own change from the start: {signed(moved)}"
         lines.append(text + ".")
+    masters = {arm: changes(row["master"], row["master_before"]) for arm, row in rows.items()
+               if row["master"] and len(row["master"]) == len(row["master_before"])
+               == len(row["seeds"]) and table.get("reference") != arm}
+    if masters:
+        lines.append("The full-precision master weights' change from the start, seed by seed: "
+                     + "; ".join(f"`{arm}` {signed(moved)}" for arm, moved in masters.items())
+                     + ".")
     band = {arm: row for arm, row in rows.items() if row.get("band_drop") is not None}
     for arm, row in band.items():
         lines.append(f"`{arm}`: the trust band dropped {row['band_drop']:.3f} of the sequences; "
@@ -163,8 +187,8 @@ def reading(rows: dict, table: dict, what: str = "seeds") -> list[str]:
                      f"({row['clip_frac_neg']:.3f} of those with A < 0).")
     if reference in rows and baseline in rows and rows[reference]["mean"] is not None:
         gap = rows[reference]["mean"] - rows[baseline]["mean"]
-        lines.append(f"The gap to close ({what}): `{reference}` − `{baseline}` = {gap:+.3f} "
-                     "in mean deployed accuracy.")
+        lines.append(f"The gap to close: `{reference}` − `{baseline}` = {gap:+.3f} in mean "
+                     "deployed accuracy.")
     return lines
 
 
@@ -186,6 +210,12 @@ def main() -> None:
     parser.add_argument("--machine", default=None,
                         help="with --results: the machine class the runs ran on (default: this "
                         "machine's, benchmarks/results_page.py machine_class)")
+    parser.add_argument("--wall-s", type=float, default=None,
+                        help="with --results: the whole qarl compare command's wall seconds, as "
+                        "timed around it, for the notes")
+    parser.add_argument("--warm-start", choices=("cached", "included"), default="included",
+                        help="with --wall-s: whether that time includes training the recipe's "
+                        "warm start or found it cached")
     args = parser.parse_args()
     source = args.folder / "compare.json"
     if not source.exists():
@@ -206,19 +236,27 @@ def main() -> None:
         if held_out:
             body += ("\n\nThe held-out seeds (compare.held_out_seeds), kept out of the recipe's "
                      "development and out of the table above:\n\n" + markdown(held_out, table))
-        lines = reading(rows, table, "development seeds")
-        if held_out:
-            lines += reading(held_out, table, "held-out seeds")
-        if lines:
-            body += "\n\nRead from the table:\n\n" + "\n".join(f"- {line}" for line in lines)
-        notes = (f"From the finished runs of `qarl compare {recipe}` in `{args.folder}`. {NOTES} "
+        for title, part in (("the table", rows), ("the held-out seeds' table", held_out)):
+            lines = reading(part, table) if part else []
+            if lines:
+                body += (f"\n\nRead from {title}:\n\n"
+                         + "\n".join(f"- {line}" for line in lines))
+        runs = sum(len(entry["seeds"]) for part in ("arms", "held_out")
+                   for entry in (table.get(part) or {}).values())
+        wall = "" if args.wall_s is None else (
+            f" The whole `qarl compare {recipe}` command ({runs} runs) took "
+            f"{args.wall_s / 60:.0f} minutes wall, "
+            + ("its warm start included." if args.warm_start == "included"
+               else "its warm start found in the cache (not included)."))
+        notes = (f"From the finished runs of `qarl compare {recipe}` in `{args.folder}`.{wall} "
+                 f"{NOTES} "
                  f"The arms' overrides of the recipe:\n\n{arms_note(table)}")
         write_section(args.key or f"compare-{recipe}", f"Comparison: the {recipe} recipe",
                       this_command(), body, notes=notes,
                       glance=glance(rows, table, recipe), machine=args.machine)
     print(json.dumps({"folder": str(args.folder), "arms": rows, "held_out": held_out,
-                      "reading": reading(rows, table, "development seeds")
-                      + reading(held_out, table, "held-out seeds")}, indent=1))
+                      "reading": reading(rows, table),
+                      "reading_held_out": reading(held_out, table)}, indent=1))
 
 
 if __name__ == "__main__":

@@ -68,49 +68,66 @@ def test_the_glance_names_the_reference_and_the_best_other_arm():
                                          "naive-grpo": _entry([0.2, 0.3, 0.1], None, 0.0)}}
     _, reading = compare_table.glance(compare_table.figures(with_baseline), with_baseline, "x")
     assert reading == ("reference `fp-grpo` 0.825; baseline `naive-grpo` 0.200; "
-                       "best other arm `fake-tbpo` 0.242")
+                       "best other arm `fake-tbpo` 0.242")  # the fixture has no gap closed
+    with_baseline["arms"]["fake-tbpo"] = {**with_baseline["arms"]["fake-tbpo"],
+                                          "gap_closed_pct": 6.7}
+    _, reading = compare_table.glance(compare_table.figures(with_baseline), with_baseline, "x")
+    assert reading.endswith("best other arm `fake-tbpo` 0.242 (7 % of the gap closed)")
 
 
-def _started(entry, before):
+def _started(entry, before, master=None, master_before=None):
     figs = {**entry["figures"], "accuracy_deployed_first": {"mean": None, "values": before}}
+    if master is not None:
+        figs["accuracy_master"] = {"mean": None, "values": master}
+        figs["accuracy_master_first"] = {"mean": None, "values": master_before}
     return {**entry, "figures": figs}
 
 
 def test_the_reading_pairs_seeds_and_measures_the_evaluation_noise():
-    """The reading: the baseline's spread before training (same weights, one evaluation per
-    seed) is the evaluation's noise; each arm minus the baseline seed by seed, with a sign
-    verdict only when every seed agrees, and its change from its own start; the trust band's
-    drops and the clips of the arms that have a band; the gap between reference and
-    baseline."""
+    """The reading: the widest spread of the reference's and the baseline's starts (same
+    weights, one evaluation per seed) is the evaluation's noise; each arm minus the baseline
+    seed by seed, with a sign verdict only when every seed agrees and 'beyond the noise' only
+    when each seed's difference exceeds it, and its change from its own start; the master
+    weights' change from the start; the trust band's drops and the clips of the arms that
+    have a band; the gap between reference and baseline."""
     table = {**COMPARE, "arms": {
         "fp-grpo": _started(_entry([0.75, 0.925, 0.8], None, 100.0), [0.7, 0.9, 0.8]),
-        "naive-grpo": _started(_entry([0.25, 0.3, 0.35], None, 0.0), [0.3, 0.35, 0.25]),
+        "naive-grpo": _started(_entry([0.25, 0.3, 0.35], None, 0.0), [0.3, 0.35, 0.25],
+                               [0.5, 0.25, 0.5], [0.75, 0.75, 0.5]),
         "fake-tbpo": _started(_entry([0.3, 0.35, 0.3], 0.125, None), [0.3, 0.35, 0.25]),
     }}
     lines = compare_table.reading(compare_table.figures(table), table)
-    assert lines[0].startswith("Evaluation noise (seeds): ")
-    assert "scored 0.250 to 0.350 before training" in lines[0] and "(0.100)" in lines[0]
+    assert lines[0] == ("Evaluation noise: every seed's runs start from the same weights, "
+                        "evaluated once per seed before training: `fp-grpo` 0.700 to 0.900; "
+                        "`naive-grpo` 0.250 to 0.350 (deployed policy). A difference within "
+                        "the widest spread (0.200) is within one evaluation's noise.")
     assert lines[1] == ("`fp-grpo` − `naive-grpo`, seed by seed: +0.500 / +0.625 / +0.450 "
-                        "(mean +0.525; above in every seed); its own change from the start: "
-                        "+0.050 / +0.025 / +0.000.")
+                        "(mean +0.525; above in every seed, each by more than the noise); its "
+                        "own change from the start: +0.050 / +0.025 / +0.000.")
     assert lines[2] == ("`fake-tbpo` − `naive-grpo`, seed by seed: +0.050 / +0.050 / -0.050 "
                         "(mean +0.017; no consistent sign); its own change from the start: "
                         "+0.000 / +0.000 / +0.050.")
-    assert lines[3] == ("`fake-tbpo`: the trust band dropped 0.125 of the sequences; clipped "
+    assert lines[3] == ("The full-precision master weights' change from the start, seed by "
+                        "seed: `naive-grpo` -0.250 / -0.500 / +0.000.")
+    assert lines[4] == ("`fake-tbpo`: the trust band dropped 0.125 of the sequences; clipped "
                         "0.500 of the sequences (0.500 of those with A < 0).")
-    assert lines[4] == ("The gap to close (seeds): `fp-grpo` − `naive-grpo` = +0.525 in mean "
+    assert lines[5] == ("The gap to close: `fp-grpo` − `naive-grpo` = +0.525 in mean "
                         "deployed accuracy.")
-    assert len(lines) == 5
+    assert len(lines) == 6
+    # every seed the same sign, but not every one beyond the noise
+    table["arms"]["fake-tbpo"] = _started(_entry([0.35, 0.4, 0.6], 0.125, None), [0.3] * 3)
+    lines = compare_table.reading(compare_table.figures(table), table)
+    assert "(mean +0.150; above in every seed, not every seed beyond the noise)" in lines[2]
     # seeds that do not match pair nothing; one seed has no spread and no sign verdict
     table["arms"]["fake-tbpo"] = {**table["arms"]["fake-tbpo"], "seeds": [3]}
     assert not any(line.startswith("`fake-tbpo` −") for line in
                    compare_table.reading(compare_table.figures(table), table))
     one = {**table, "arms": {arm: {**_started(_entry([v], None, None), [0.5]), "seeds": [3]}
                              for arm, v in (("fp-grpo", 0.8), ("naive-grpo", 0.3))}}
-    lines = compare_table.reading(compare_table.figures(one), one, "held-out seeds")
+    lines = compare_table.reading(compare_table.figures(one), one)
     assert lines == ["`fp-grpo` − `naive-grpo`, seed by seed: +0.500 (mean +0.500; one seed).",
-                     "The gap to close (held-out seeds): `fp-grpo` − `naive-grpo` = +0.500 in "
-                     "mean deployed accuracy."]
+                     "The gap to close: `fp-grpo` − `naive-grpo` = +0.500 in mean deployed "
+                     "accuracy."]
 
 
 def test_refuses_an_unfinished_comparison(tmp_path):
@@ -134,3 +151,25 @@ def test_held_out_rows_come_from_the_held_out_part_alone():
     assert (held_out["fake-tbpo"]["seeds"], held_out["fake-tbpo"]["deployed"]) == ([3], [0.5])
     assert compare_table.figures(COMPARE, "held_out") == {}
     assert compare_table.figures({**COMPARE, "held_out": None}, "held_out") == {}
+
+
+def test_the_notes_carry_the_comparisons_wall_time(tmp_path, monkeypatch, capsys):
+    """--wall-s puts the whole comparison's wall time and the number of runs into the section's
+    notes, saying whether the warm start was in it; without it the notes name no time."""
+    import results_page
+
+    folder = tmp_path / "claim"
+    folder.mkdir()
+    (folder / "compare.json").write_text(json.dumps(COMPARE))
+    written = []
+    monkeypatch.setattr(results_page, "write_section",
+                        lambda key, title, command, body, **kw: written.append((key, kw)))
+    for extra in (["--wall-s", "3685", "--warm-start", "cached"], []):
+        monkeypatch.setattr(sys, "argv", ["compare_table.py", str(folder), "--results", *extra])
+        compare_table.main()
+    (key, with_wall), (_, without) = written
+    assert key == "compare-claim"
+    assert ("The whole `qarl compare claim` command (6 runs) took 61 minutes wall, its warm "
+            "start found in the cache (not included).") in with_wall["notes"]
+    assert "minutes wall" not in without["notes"]
+    capsys.readouterr()

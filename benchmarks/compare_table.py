@@ -160,12 +160,16 @@ def reading(rows: dict, table: dict) -> list[str]:
                      f"evaluated once per seed before training: {scored} (deployed policy). "
                      f"A difference within the widest spread ({noise:.3f}) is within one "
                      "evaluation's noise.")
+    beyond, fell = [], []  # arms beyond the noise in every seed: vs the baseline; masters
     for arm in rows:
         if arm == baseline:
             continue
         diffs = paired(rows, arm, baseline)
         if diffs is None:
             continue
+        if noise is not None and len(diffs) > 1 and (
+                all(d > noise for d in diffs) or all(d < -noise for d in diffs)):
+            beyond.append(f"`{arm}` ({'above' if diffs[0] > 0 else 'below'})")
         mean = sum(diffs) / len(diffs)
         text = (f"`{arm}` − `{baseline}`, seed by seed: {signed(diffs)} (mean {mean:+.3f}; "
                 f"{verdict(diffs, noise)})")
@@ -180,6 +184,17 @@ def reading(rows: dict, table: dict) -> list[str]:
         lines.append("The full-precision master weights' change from the start, seed by seed: "
                      + "; ".join(f"`{arm}` {signed(moved)}" for arm, moved in masters.items())
                      + ".")
+        if noise is not None:
+            fell = [f"`{arm}` ({'rose' if moved[0] > 0 else 'fell'})"
+                    for arm, moved in masters.items() if len(moved) > 1
+                    and (all(m > noise for m in moved) or all(m < -noise for m in moved))]
+    if noise is not None and any(len(row["seeds"]) > 1 for row in rows.values()):
+        summary = ("Beyond the noise in every seed, against the baseline's deployed accuracy: "
+                   + (", ".join(beyond) if beyond else "no arm"))
+        if masters:
+            summary += ("; in the master weights' change from the start: "
+                        + (", ".join(fell) if fell else "no arm"))
+        lines.insert(1, summary + ".")
     band = {arm: row for arm, row in rows.items() if row.get("band_drop") is not None}
     for arm, row in band.items():
         lines.append(f"`{arm}`: the trust band dropped {row['band_drop']:.3f} of the sequences; "

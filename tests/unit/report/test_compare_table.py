@@ -85,7 +85,9 @@ def _started(entry, before, master=None, master_before=None):
 
 def test_the_reading_pairs_seeds_and_measures_the_evaluation_noise():
     """The reading: the widest spread of the reference's and the baseline's starts (same
-    weights, one evaluation per seed) is the evaluation's noise; each arm minus the baseline
+    weights, one evaluation per seed) is the evaluation's noise; a summary names the arms
+    beyond it in every seed (deployed against the baseline, master against its start); each
+    arm minus the baseline
     seed by seed, with a sign verdict only when every seed agrees and 'beyond the noise' only
     when each seed's difference exceeds it, and its change from its own start; the master
     weights' change from the start; the trust band's drops and the clips of the arms that
@@ -101,23 +103,32 @@ def test_the_reading_pairs_seeds_and_measures_the_evaluation_noise():
                         "evaluated once per seed before training: `fp-grpo` 0.700 to 0.900; "
                         "`naive-grpo` 0.250 to 0.350 (deployed policy). A difference within "
                         "the widest spread (0.200) is within one evaluation's noise.")
-    assert lines[1] == ("`fp-grpo` − `naive-grpo`, seed by seed: +0.500 / +0.625 / +0.450 "
+    assert lines[1] == ("Beyond the noise in every seed, against the baseline's deployed "
+                        "accuracy: `fp-grpo` (above); in the master weights' change from the "
+                        "start: no arm.")
+    assert lines[2] == ("`fp-grpo` − `naive-grpo`, seed by seed: +0.500 / +0.625 / +0.450 "
                         "(mean +0.525; above in every seed, each by more than the noise); its "
                         "own change from the start: +0.050 / +0.025 / +0.000.")
-    assert lines[2] == ("`fake-tbpo` − `naive-grpo`, seed by seed: +0.050 / +0.050 / -0.050 "
+    assert lines[3] == ("`fake-tbpo` − `naive-grpo`, seed by seed: +0.050 / +0.050 / -0.050 "
                         "(mean +0.017; no consistent sign); its own change from the start: "
                         "+0.000 / +0.000 / +0.050.")
-    assert lines[3] == ("The full-precision master weights' change from the start, seed by "
+    assert lines[4] == ("The full-precision master weights' change from the start, seed by "
                         "seed: `naive-grpo` -0.250 / -0.500 / +0.000.")
-    assert lines[4] == ("`fake-tbpo`: the trust band dropped 0.125 of the sequences; clipped "
+    assert lines[5] == ("`fake-tbpo`: the trust band dropped 0.125 of the sequences; clipped "
                         "0.500 of the sequences (0.500 of those with A < 0).")
-    assert lines[5] == ("The gap to close: `fp-grpo` − `naive-grpo` = +0.525 in mean "
+    assert lines[6] == ("The gap to close: `fp-grpo` − `naive-grpo` = +0.525 in mean "
                         "deployed accuracy.")
-    assert len(lines) == 6
+    assert len(lines) == 7
     # every seed the same sign, but not every one beyond the noise
     table["arms"]["fake-tbpo"] = _started(_entry([0.35, 0.4, 0.6], 0.125, None), [0.3] * 3)
     lines = compare_table.reading(compare_table.figures(table), table)
-    assert "(mean +0.150; above in every seed, not every seed beyond the noise)" in lines[2]
+    assert "(mean +0.150; above in every seed, not every seed beyond the noise)" in lines[3]
+    # a master that falls beyond the noise in every seed is named
+    table["arms"]["naive-grpo"] = _started(_entry([0.25, 0.3, 0.35], None, 0.0),
+                                           [0.3, 0.35, 0.25], [0.5, 0.25, 0.25], [0.75] * 3)
+    lines = compare_table.reading(compare_table.figures(table), table)
+    assert lines[1].endswith("in the master weights' change from the start: `naive-grpo` "
+                             "(fell).")
     # seeds that do not match pair nothing; one seed has no spread and no sign verdict
     table["arms"]["fake-tbpo"] = {**table["arms"]["fake-tbpo"], "seeds": [3]}
     assert not any(line.startswith("`fake-tbpo` −") for line in

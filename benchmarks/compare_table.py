@@ -231,6 +231,10 @@ def main() -> None:
     parser.add_argument("--warm-start", choices=("cached", "included"), default="included",
                         help="with --wall-s: whether that time includes training the recipe's "
                         "warm start or found it cached")
+    parser.add_argument("--warm-start-s", type=float, default=None,
+                        help="with --warm-start cached: the seconds the warm start takes from "
+                        "an empty $QARL_HOME (qarl sft RECIPE, timed alone), added to give the "
+                        "comparison's time from a fresh machine")
     args = parser.parse_args()
     source = args.folder / "compare.json"
     if not source.exists():
@@ -263,6 +267,10 @@ def main() -> None:
             f"{args.wall_s / 60:.0f} minutes wall, "
             + ("its warm start included." if args.warm_start == "included"
                else "its warm start found in the cache (not included)."))
+        if args.wall_s is not None and args.warm_start == "cached" and args.warm_start_s:
+            wall += (f" `qarl sft {recipe}` from an empty $QARL_HOME (the model's preparation "
+                     f"included) took {args.warm_start_s / 60:.0f} minutes alone: "
+                     f"{(args.wall_s + args.warm_start_s) / 60:.0f} minutes in all.")
         notes = (f"From the finished runs of `qarl compare {recipe}` in `{args.folder}`.{wall} "
                  f"{NOTES} "
                  f"The arms' overrides of the recipe:\n\n{arms_note(table)}")

@@ -175,12 +175,15 @@ def test_the_notes_carry_the_comparisons_wall_time(tmp_path, monkeypatch, capsys
     written = []
     monkeypatch.setattr(results_page, "write_section",
                         lambda key, title, command, body, **kw: written.append((key, kw)))
-    for extra in (["--wall-s", "3685", "--warm-start", "cached"], []):
+    for extra in (["--wall-s", "3685", "--warm-start", "cached"], [],
+                  ["--wall-s", "3685", "--warm-start", "cached", "--warm-start-s", "1022"]):
         monkeypatch.setattr(sys, "argv", ["compare_table.py", str(folder), "--results", *extra])
         compare_table.main()
-    (key, with_wall), (_, without) = written
+    (key, with_wall), (_, without), (_, fresh) = written
     assert key == "compare-claim"
     assert ("The whole `qarl compare claim` command (6 runs) took 61 minutes wall, its warm "
             "start found in the cache (not included).") in with_wall["notes"]
-    assert "minutes wall" not in without["notes"]
+    assert "minutes wall" not in without["notes"] and "qarl sft" not in with_wall["notes"]
+    assert ("(not included). `qarl sft claim` from an empty $QARL_HOME (the model's "
+            "preparation included) took 17 minutes alone: 78 minutes in all.") in fresh["notes"]
     capsys.readouterr()

@@ -96,7 +96,9 @@ def machine_class(device: str | None = None) -> str:
     cpu = f"{arch} {VENDORS.get(cpu_vendor(), cpu_vendor() or 'unknown vendor')}"
     if arch == "x86-64":
         cpu += f", {isa_class(isa_levels())}"
-    return f"{cpu}; {cores()} cores; torch {torch.__version__}, {torch.get_num_threads()} threads"
+    count, threads = cores(), torch.get_num_threads()
+    return (f"{cpu}; {count} core{'s' * (count != 1)}; torch {torch.__version__}, {threads} "
+            f"thread{'s' * (threads != 1)}")
 
 
 def this_command() -> str:

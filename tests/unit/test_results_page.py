@@ -137,9 +137,21 @@ def test_machine_class_names_no_cpu_model():
     text = results_page.machine_class()
     assert cpu_name() not in text
     assert "family" not in text.lower() and "model" not in text.lower()
-    assert f"{results_page.cores()} cores" in text
+    count = results_page.cores()
+    assert f"; {count} core{'s' if count > 1 else ''};" in text
     if "x86-64" in text:
         assert results_page.isa_class(isa_levels()) in text
+
+
+def test_machine_class_counts_in_the_singular_for_one(monkeypatch):
+    """One core and one thread read '1 core' and '1 thread'; two read '2 cores', '2 threads'."""
+    import torch
+
+    for n, core, thread in ((1, "1 core;", "1 thread"), (2, "2 cores;", "2 threads")):
+        monkeypatch.setattr(results_page, "cores", lambda n=n: n)
+        monkeypatch.setattr(torch, "get_num_threads", lambda n=n: n)
+        text = results_page.machine_class()
+        assert core in text and text.endswith(f", {thread}")
 
 
 @pytest.mark.parametrize("flags, expected", [

@@ -113,7 +113,13 @@ def paired(rows: dict, arm: str, other: str) -> list[float] | None:
         return None
     if not (len(a["deployed"]) == len(b["deployed"]) == len(a["seeds"])):
         return None
-    return [x - y for x, y in zip(a["deployed"], b["deployed"])]
+    return changes(a["deployed"], b["deployed"])
+
+
+def beyond_noise(diffs: list[float], noise: float | None) -> bool:
+    """Several seeds, one sign, and each seed's difference larger than the noise."""
+    return noise is not None and len(diffs) > 1 and (
+        all(d > noise for d in diffs) or all(d < -noise for d in diffs))
 
 
 def verdict(diffs: list[float], noise: float | None) -> str:
@@ -124,8 +130,8 @@ def verdict(diffs: list[float], noise: float | None) -> str:
         side = "above" if diffs[0] > 0 else "below"
         if noise is None:
             return f"{side} in every seed"
-        beyond = all(abs(d) > noise for d in diffs)
-        return f"{side} in every seed, " + ("each by more than the noise" if beyond
+        return f"{side} in every seed, " + ("each by more than the noise"
+                                             if beyond_noise(diffs, noise)
                                              else "not every seed beyond the noise")
     return "no consistent sign"
 
@@ -167,8 +173,7 @@ def reading(rows: dict, table: dict) -> list[str]:
         diffs = paired(rows, arm, baseline)
         if diffs is None:
             continue
-        if noise is not None and len(diffs) > 1 and (
-                all(d > noise for d in diffs) or all(d < -noise for d in diffs)):
+        if beyond_noise(diffs, noise):
             beyond.append(f"`{arm}` ({'above' if diffs[0] > 0 else 'below'})")
         mean = sum(diffs) / len(diffs)
         text = (f"`{arm}` − `{baseline}`, seed by seed: {signed(diffs)} (mean {mean:+.3f}; "
@@ -179,16 +184,14 @@ def reading(rows: dict, table: dict) -> list[str]:
         lines.append(text + ".")
     masters = {arm: changes(row["master"], row["master_before"]) for arm, row in rows.items()
                if row["master"] and len(row["master"]) == len(row["master_before"])
-               == len(row["seeds"]) and table.get("reference") != arm}
+               == len(row["seeds"]) and arm != reference}
     if masters:
         lines.append("The full-precision master weights' change from the start, seed by seed: "
                      + "; ".join(f"`{arm}` {signed(moved)}" for arm, moved in masters.items())
                      + ".")
-        if noise is not None:
-            fell = [f"`{arm}` ({'rose' if moved[0] > 0 else 'fell'})"
-                    for arm, moved in masters.items() if len(moved) > 1
-                    and (all(m > noise for m in moved) or all(m < -noise for m in moved))]
-    if noise is not None and any(len(row["seeds"]) > 1 for row in rows.values()):
+        fell = [f"`{arm}` ({'rose' if moved[0] > 0 else 'fell'})"
+                for arm, moved in masters.items() if beyond_noise(moved, noise)]
+    if noise is not None:  # measured only where several seeds started
         summary = ("Beyond the noise in every seed, against the baseline's deployed accuracy: "
                    + (", ".join(beyond) if beyond else "no arm"))
         if masters:

@@ -3,7 +3,8 @@ variants chosen at run time), batch-invariant by construction; and `machine()`, 
 benchmark figure depends on.
 
 `available()` says whether they run here (`why_unavailable()` says why not). Weights are
-packed once (`pack_f32`, `pack_s8`, `pack_u4`) and the packed object is reused for every call:
+packed once (`pack_f32`, `pack_s8`, `pack_u4`; `pack_s8_t`, int8 codes transposed, for the
+learner's input gradient) and the packed object is reused for every call:
 
 - `linear_f32(x, w)`: fp32 x W^T (+ bias) (+ residual), one fma chain per output element;
 - `linear_s8_dynamic(x, w)`: W8A8 int8 with the rows of x quantized per token in the kernel
@@ -38,16 +39,16 @@ from qarl.native.decode import (
 from qarl.native.ffi import available
 from qarl.native.gemm import (
     F32_ISAS, S8_ISAS, PackedF32, PackedS8, PackedU4, dequant_s8_bf16, dequant_s8_f32, f32_isa,
-    linear_f32, linear_s8_codes,
-    linear_s8_dynamic, linear_u4, pack_f32, pack_s8, pack_u4, qdq_s8_rows_bf16, qdq_s8_rows_f32,
-    quantize_s8_rows,
-    quantize_u4, round_bf16, s8_isa, scale_s32, use_f32_isa, use_s8_isa,
+    linear_f32, linear_s8_codes, linear_s8_dynamic, linear_u4, pack_f32, pack_s8, pack_s8_t,
+    pack_u4, qdq_s8_rows_bf16, qdq_s8_rows_f32, quantize_s8_rows, quantize_u4, round_bf16,
+    s8_isa, scale_s32, use_f32_isa, use_s8_isa,
 )
 from qarl.native.logprobs import token_logp, token_logp_backward
 
 __all__ = [
     "available", "why_unavailable", "PackedF32", "PackedS8", "PackedU4",
-    "pack_f32", "pack_s8", "pack_u4", "linear_f32", "linear_s8_dynamic", "linear_s8_codes",
+    "pack_f32", "pack_s8", "pack_s8_t", "pack_u4", "linear_f32", "linear_s8_dynamic",
+    "linear_s8_codes",
     "linear_u4", "dequant_s8_bf16", "dequant_s8_f32", "qdq_s8_rows_bf16", "qdq_s8_rows_f32", "quantize_s8_rows", "quantize_u4", "round_bf16",
     "scale_s32", "S8_ISAS", "s8_isa", "use_s8_isa", "F32_ISAS", "f32_isa", "use_f32_isa",
     "decode_attention", "rms_norm", "silu_mul", "BlockGemm", "DecodeBlock", "GemmKind",

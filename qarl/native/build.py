@@ -82,6 +82,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "qarl_pack_f32": [p, i64, i64, i64, p, i32],
         "qarl_linear_f32": [p, i64, i64, i64, p, i64, p, p, i64, p, i64, i32],
         "qarl_pack_s8": [p, i64, i64, i64, p, i32],
+        "qarl_pack_s8_t": [p, i64, i64, i64, p, i32],
         "qarl_linear_s8_dynamic": [p, i64, i64, i64, p, p, i64, p, i64, i32],
         "qarl_linear_s8_codes": [p, i64, i64, i64, p, p, p, i64, p, i64, i32],
         "qarl_quantize_s8_rows": [p, i64, i64, i64, p, i64, p, i32],

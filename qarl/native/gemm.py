@@ -66,18 +66,25 @@ def linear_f32(x: Tensor, w: PackedF32, bias: Tensor | None = None,
     return y if x.dim() == 2 else y.view(*x.shape[:-1], w.n)
 
 
+def _check_s8_codes(codes: Tensor, what: str) -> Tensor:
+    if codes.dim() != 2 or codes.dtype != torch.int8:
+        raise ValueError(f"{what} expects int8 codes [N, K], got {codes.dtype} "
+                         f"{tuple(codes.shape)}")
+    if codes.numel() and int(codes.min()) == -128:
+        raise ValueError(f"{what}: weight codes must lie in [-127, 127] (symmetric int8); "
+                         "got -128. Quantize with numerics.int8_rows, which clamps to 127.")
+    return codes.contiguous()
+
+
 def pack_s8(codes: Tensor, scales: Tensor) -> PackedS8:
     """codes [N, K] int8 in [-127, 127], scales [N] float32 (per output channel) -> packed.
 
     -128 is refused: the kernel moves signs onto the weight, and -(-128) does not fit int8.
     """
-    if codes.dim() != 2 or codes.dtype != torch.int8 or scales.shape != codes.shape[:1]:
-        raise ValueError(f"pack_s8 expects int8 codes [N, K] and scales [N], got "
-                         f"{codes.dtype} {tuple(codes.shape)}, {tuple(scales.shape)}")
-    if codes.numel() and int(codes.min()) == -128:
-        raise ValueError("pack_s8: weight codes must lie in [-127, 127] (symmetric int8); "
-                         "got -128. Quantize with numerics.int8_rows, which clamps to 127.")
-    codes = codes.contiguous()
+    if scales.shape != codes.shape[:1]:
+        raise ValueError(f"pack_s8 expects scales [N] for codes {tuple(codes.shape)}, got "
+                         f"{tuple(scales.shape)}")
+    codes = _check_s8_codes(codes, "pack_s8")
     n, k = codes.shape
     p8 = (n + NR8 - 1) // NR8
     out = torch.empty(p8 * ((k + 3) // 4) * 4 * NR8, dtype=torch.int8)
@@ -85,6 +92,22 @@ def pack_s8(codes: Tensor, scales: Tensor) -> PackedS8:
     ws = torch.zeros(p8 * NR8, dtype=torch.float32)
     ws[:n] = scales.float()
     return PackedS8(out, ws, n, k)
+
+
+def pack_s8_t(codes: Tensor) -> PackedS8:
+    """codes [N, K] int8 in [-127, 127] -> their transpose [K, N] packed, with unit scales:
+    `pack_s8(codes.t().contiguous(), ones(K))` bit for bit, in one pass that never writes the
+    transpose. `linear_s8_codes(gq, gs, pack_s8_t(codes))` is then (sum_n gq[m, n]
+    codes[n, k]) * gs[m]: the product of the straight-through backward on the weight's codes
+    (qarl.quant.schemes_8bit.Int8Codes.grad_input)."""
+    codes = _check_s8_codes(codes, "pack_s8_t")
+    n, k = codes.shape
+    p8 = (k + NR8 - 1) // NR8
+    out = torch.empty(p8 * ((n + 3) // 4) * 4 * NR8, dtype=torch.int8)
+    _lib().qarl_pack_s8_t(codes.data_ptr(), n, k, k, out.data_ptr(), _threads())
+    ws = torch.zeros(p8 * NR8, dtype=torch.float32)
+    ws[:k] = 1.0
+    return PackedS8(out, ws, k, n)
 
 
 F32_ISAS = ("avx2", "avx512")  # the fp32 GEMM's instruction sets, by level (the same bits)

@@ -31,18 +31,60 @@
 
 static int64_t panels8(int64_t n) { return (n + NR8 - 1) / NR8; }
 
-// codes [N, K] int8 in [-127, 127] -> panels [P8][Kq][NR8][4] (Kq = ceil(K / 4)), zero padded.
+// codes [N, K] int8 in [-127, 127] -> panels [P8][Kq][NR8][4] (Kq = ceil(K / 4)), zero padded:
+// panel p holds output columns 16p..16p+15, each quad of k as 4 consecutive bytes per column.
 void qarl_pack_s8(const int8_t* w, int64_t N, int64_t K, int64_t ldw, int8_t* out, int nthreads) {
-    int64_t P = panels8(N), Kq = (K + 3) / 4;
+    int64_t P = panels8(N), Kq = (K + 3) / 4, Kf = K / 4;  // Kf: the quads without padding
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t p = 0; p < P; p++) {
         int8_t* dst = out + p * Kq * 4 * NR8;
         for (int j = 0; j < NR8; j++) {
             int64_t n = p * NR8 + j;
-            for (int64_t k = 0; k < Kq * 4; k++) {
-                int8_t v = (n < N && k < K) ? w[n * ldw + k] : 0;
-                dst[(k / 4) * NR8 * 4 + j * 4 + (k & 3)] = v;
+            int8_t* d = dst + j * 4;
+            if (n >= N) {
+                for (int64_t q = 0; q < Kq; q++) memset(d + q * NR8 * 4, 0, 4);
+                continue;
             }
+            const int8_t* src = w + n * ldw;
+            for (int64_t q = 0; q < Kf; q++) memcpy(d + q * NR8 * 4, src + 4 * q, 4);
+            for (int64_t q = Kf; q < Kq; q++)  // the last quad, zero padded past K
+                for (int r = 0; r < 4; r++) d[q * NR8 * 4 + r] = 4 * q + r < K ? src[4 * q + r] : 0;
+        }
+    }
+}
+
+// codes [N, K] int8 -> the panels qarl_pack_s8 makes of their transpose [K, N], without
+// writing the transpose out: the operand of dL/dx = g W_hat on the weight's codes
+// (qarl.quant.schemes_8bit.Int8Codes.grad_input), whose output columns are the weight's K
+// input features and whose contraction runs over its N output channels. A whole quad of
+// rows x 16 columns is a 4 x 16 byte transpose: two rounds of byte and word interleaves.
+void qarl_pack_s8_t(const int8_t* w, int64_t N, int64_t K, int64_t ldw, int8_t* out, int nthreads) {
+    int64_t P = panels8(K), Nq = (N + 3) / 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t p = 0; p < P; p++) {
+        int64_t k0 = p * NR8;
+        int8_t* dst = out + p * Nq * 4 * NR8;
+        for (int64_t q = 0; q < Nq; q++) {
+            int8_t* d = dst + q * NR8 * 4;  // d[j * 4 + r] = w[4q + r, k0 + j]
+            if (k0 + NR8 <= K && 4 * q + 4 <= N) {
+                const int8_t* s = w + 4 * q * ldw + k0;
+                __m128i a0 = _mm_loadu_si128((const __m128i*)s);
+                __m128i a1 = _mm_loadu_si128((const __m128i*)(s + ldw));
+                __m128i a2 = _mm_loadu_si128((const __m128i*)(s + 2 * ldw));
+                __m128i a3 = _mm_loadu_si128((const __m128i*)(s + 3 * ldw));
+                __m128i t0 = _mm_unpacklo_epi8(a0, a1), t1 = _mm_unpackhi_epi8(a0, a1);
+                __m128i t2 = _mm_unpacklo_epi8(a2, a3), t3 = _mm_unpackhi_epi8(a2, a3);
+                _mm_storeu_si128((__m128i*)d, _mm_unpacklo_epi16(t0, t2));
+                _mm_storeu_si128((__m128i*)(d + 16), _mm_unpackhi_epi16(t0, t2));
+                _mm_storeu_si128((__m128i*)(d + 32), _mm_unpacklo_epi16(t1, t3));
+                _mm_storeu_si128((__m128i*)(d + 48), _mm_unpackhi_epi16(t1, t3));
+                continue;
+            }
+            for (int j = 0; j < NR8; j++)  // a panel's last columns or the last rows: zero padded
+                for (int r = 0; r < 4; r++) {
+                    int64_t n = 4 * q + r, k = k0 + j;
+                    d[j * 4 + r] = n < N && k < K ? w[n * ldw + k] : 0;
+                }
         }
     }
 }

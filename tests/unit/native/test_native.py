@@ -144,6 +144,36 @@ def test_s8_instruction_sets_give_the_same_bits():
     assert (best != "avx2") == has_int8_dot(), best
 
 
+def test_s8_on_the_transposed_codes_is_the_exact_product_with_the_codes():
+    """pack_s8_t(codes) packs codes^T, bit for bit what pack_s8 makes of the transpose written
+    out with unit scales, for whole and ragged quads of rows and panels of columns; the GEMM on
+    it is the exact integer product g_q codes [M, N] x [N, K] times the row scales, on every
+    instruction set this CPU runs: the straight-through backward's dL/dx on the weight's
+    codes. -128 is refused as by pack_s8."""
+    best = nat.s8_isa()
+    try:
+        for seed, (k, n) in enumerate(SHAPES + [(16, 4), (17, 5)]):
+            wq = _codes((n, k), seed)  # a layer's codes [N, K]
+            packed = nat.pack_s8_t(wq)
+            ref = nat.pack_s8(wq.t().contiguous(), torch.ones(k))
+            assert torch.equal(packed.data, ref.data) and torch.equal(packed.scales, ref.scales)
+            assert (packed.n, packed.k) == (k, n)
+            for isa in nat.S8_ISAS:
+                if nat.use_s8_isa(isa) != isa:
+                    continue
+                for m in (1, 5, 17):
+                    gq, gs = nm.int8_rows(_rand((m, n), 10 * seed + m))
+                    acc = (gq.long() @ wq.long()).to(torch.int32)
+                    y = nat.linear_s8_codes(gq, gs, packed)
+                    assert torch.equal(y, acc.float() * gs[:, None]), (isa, k, n, m)
+    finally:
+        nat.use_s8_isa(best)
+    wq = _codes((8, 16), 0)
+    wq[3, 3] = -128
+    with pytest.raises(ValueError, match=r"\[-127, 127\]"):
+        nat.pack_s8_t(wq)
+
+
 def test_quantizer_and_scaling_helpers_equal_the_torch_ops():
     """quantize_s8_rows = numerics.int8_rows and scale_s32(acc, xs, ws) = acc.float() * xs * ws,
     bit for bit, on rows with ties, zeros and int32 sums beyond 2^24 (rounded on conversion)."""

@@ -96,8 +96,9 @@ class TrainSection(BaseModel):
         "dL/dW's GEMM runs in bf16 where the CPU has bf16 arithmetic or on CUDA (the codes are "
         "exact in bf16: g's rounding only), else fp32. Forward values, old_logp and the ratio "
         "are unchanged. 'auto': 'codes' for a kernel-aligned learner with a float32 gradient "
-        "pass where those GEMMs are the faster ones (int8 on VNNI or AMX-INT8; W4A16 on a CPU "
-        "with bf16 arithmetic), 'float' elsewhere. docs/learner.md, 'The backward on codes'.",
+        "pass where those GEMMs are the faster ones (int8 where its GEMM is torch._int_mm on "
+        "VNNI or qarl.native's: AMX, VNNI or AVX2; W4A16 on a CPU with bf16 arithmetic), "
+        "'float' elsewhere. docs/learner.md, 'The backward on codes'.",
         json_schema_extra=SPEED)
     logp_path: Literal[LOGP_PATHS] = Field(
         "decode", description="Where every logp value the losses read comes from (old_logp, "

@@ -190,10 +190,11 @@ class Int8Codes:
     grad_input_on_codes = True
 
     def prefers(self, device: torch.device) -> bool:
-        # torch._int_mm on VNNI / AMX-INT8, the forward on AMX tiles; CUDA learners run bf16
-        # there ('auto' compute); measured by benchmarks/step_time.py
-        return device.type == "cpu" and (self.scheme.method(device) == "int_mm"
-                                         or self.scheme._amx(device))
+        # wherever the format's int8 GEMM is a real one: torch._int_mm on VNNI, qarl.native's
+        # on AMX tiles, VNNI or AVX2, whose int8 products outrun MKL's fp32 GEMM at the
+        # learner's shapes even without int8 dot instructions; CUDA learners run bf16 there
+        # ('auto' compute); measured by benchmarks/step_time.py
+        return device.type == "cpu" and self.scheme.method(device) in ("int_mm", "native")
 
     def forward_codes(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
         # where the native kernel runs these rows it quantizes inside: no codes to keep, but
@@ -215,12 +216,18 @@ class Int8Codes:
         # SwitchBack (Wortsman et al. 2023): W_hat[n, k] = s_w[n] q[n, k] varies along the
         # contraction n, so s_w moves onto g's columns; g' = g s_w is quantized per row like an
         # activation and g W_hat ~ s_g[m] sum_n q_g[m, n] q[n, k], the sum exact in int32. The
-        # codes [N, K] are already the [contraction, output] operand torch._int_mm takes. The
-        # one approximation is g' rounded to int8: at most half a step, s_g / 2, per element.
+        # codes [N, K] are already the [contraction, output] operand torch._int_mm takes; the
+        # native GEMM takes them transposed into its panels (`pack_s8_t`, once per weight
+        # version) and gives the same sums times s_g times 1.0: the same bits. The one
+        # approximation is g' rounded to int8: at most half a step, s_g / 2, per element.
         g = g.float()
         native = g.device.type == "cpu" and K.native_ok(g.device)
         # one pass, g' never written out, where qarl.native runs (the same bits)
         gq, gs = nat.quantize_s8_rows(g, qw.scales) if native else nm.int8_rows(g * qw.scales)
+        if native and self.scheme.method(g.device) == "native":
+            packed = self.scheme.prepared(qw, g.device, "native-s8-t",
+                                          lambda: nat.pack_s8_t(qw.codes))
+            return nat.linear_s8_codes(gq, gs, packed)
         acc = K.exact_int8_gemm(gq, qw.codes, "int_mm", [qw.codes])  # [M, K] int32
         return nat.scale_s32(acc, gs) if native else acc.float() * gs[:, None]
 

@@ -104,8 +104,9 @@ def resolve_compute_dtype(requested: str, device: torch.device) -> torch.dtype:
 def resolve_quant_backward(requested: str, scheme: str, align: str, device: torch.device,
                            compute: torch.dtype) -> str:
     """train.quant_backward as a QuantLinear.backward: 'auto' is 'codes' where the format's
-    products on codes are the faster ones on `device` (`CodesPass.prefers`:
-    int8 on VNNI / AMX-INT8, W4A16's bf16 activations on a CPU with bf16 arithmetic) in a
+    products on codes are the faster ones on `device` (`CodesPass.prefers`: int8 where its
+    GEMM is torch._int_mm on VNNI or qarl.native's, W4A16's bf16 activations on a CPU with
+    bf16 arithmetic) in a
     kernel-aligned learner with an fp32 gradient pass, 'float' elsewhere (a bf16 pass, the
     default on AMX CPUs and CUDA, already multiplies in bf16, faster than oneDNN's int8 GEMM
     there)."""
@@ -137,7 +138,7 @@ def describe_quant_backward(backward: str, requested: str, scheme: str,
                   else "dL/dx in float")
         what = f"on codes ({grad_x}, dL/dW in {grad_w} on the activations' codes)"
         if not SCHEMES[scheme].codes_pass().prefers(device):
-            # e.g. int8 on an AVX2-only CPU: no int8 dot instructions, a reference path
+            # e.g. int8 on a CPU without VNNI where qarl.native does not run: a reference path
             what += (", which this machine runs slowly (no instructions for it: 'auto' picks "
                      "the float backward here)")
     else:

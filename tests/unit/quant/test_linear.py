@@ -311,3 +311,21 @@ def test_grad_input_codes_native_and_torch_paths_agree(monkeypatch):
     native = scheme.codes_pass().grad_input(g, qw)
     monkeypatch.setattr(K, "native_ok", lambda device: False)
     assert torch.equal(native, scheme.codes_pass().grad_input(g, qw))
+
+
+def test_grad_input_codes_native_gemm_gives_the_int_mm_bits():
+    """dL/dx on the weight's codes through qarl.native's int8 GEMM (gemm = native: AVX2, VNNI
+    or AMX, on the codes transposed into its panels once per weight version) equals the
+    torch._int_mm product's bits, for shapes whose rows and columns fill no whole panel."""
+    from qarl.quant import kernels as K
+    from qarl.quant.schemes_8bit import Int8Scheme
+
+    if not K.native_ok(torch.device("cpu")):
+        pytest.skip("qarl.native is not built here")
+    torch.manual_seed(2)
+    for n, k in ((96, 256), (50, 577), (7, 20)):
+        qw = Int8Scheme().quantize(torch.randn(n, k) * 0.05)
+        g = torch.randn(21, n)
+        native = Int8Scheme(gemm="native").codes_pass().grad_input(g, qw)
+        assert ("native-s8-t", torch.device("cpu")) in qw.prepared
+        assert torch.equal(native, Int8Scheme(gemm="int_mm").codes_pass().grad_input(g, qw))

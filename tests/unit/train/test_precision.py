@@ -101,7 +101,7 @@ def test_learner_linears_run_every_linear_by_onednn_with_the_same_gradients(monk
     ({"amx_int8", "amx_tile"}, "w8a8-int8", "kernel", torch.float32, "codes"),
     ({"avx512_vnni"}, "w8a8-int8", "kernel", torch.bfloat16, "float"),  # a bf16 pass
     ({"avx512_vnni"}, "w8a8-int8", "fake", torch.float32, "float"),
-    ({"avx2"}, "w8a8-int8", "kernel", torch.float32, "float"),  # AVX2: int8 at most 2x fp32
+    ({"avx2"}, "w8a8-int8", "kernel", torch.float32, "codes"),  # qarl.native's AVX2 int8
     ({"avx512_bf16"}, "w4a16-int4", "kernel", torch.float32, "codes"),  # bf16 activations
     ({"avx512_vnni"}, "w4a16-int4", "kernel", torch.float32, "float"),  # no bf16 arithmetic
     ({"avx512_bf16"}, "w4a8-int", "kernel", torch.float32, "float"),  # no backward on codes
@@ -111,8 +111,13 @@ def test_auto_backward_on_codes_where_the_int8_gemm_is_the_fast_one(
         monkeypatch, flags, scheme, align, compute, want):
     """train.quant_backward = 'auto' multiplies on the codes only for an fp32 gradient pass of
     a kernel-aligned learner where those GEMMs are the fast ones: w8a8-int8 on a CPU whose
-    int8 GEMM is torch._int_mm on VNNI / AMX-INT8, W4A16 on a CPU with bf16 arithmetic; the
-    explicit values are taken as they are; the log line says which."""
+    int8 GEMM is torch._int_mm on VNNI or qarl.native's (AMX, VNNI, AVX2), W4A16 on a CPU
+    with bf16 arithmetic; the explicit values are taken as they are; the log line says
+    which."""
+    from qarl.quant import kernels as K
+
+    if scheme == "w8a8-int8" and "avx2" in flags and not K.native_ok(torch.device("cpu")):
+        pytest.skip("qarl.native is not built here: its AVX2 int8 GEMM is what 'auto' takes")
     monkeypatch.setattr(isa, "cpu_flags", lambda: flags)
     cpu = torch.device("cpu")
     assert precision.resolve_quant_backward("auto", scheme, align, cpu, compute) == want
@@ -124,12 +129,20 @@ def test_auto_backward_on_codes_where_the_int8_gemm_is_the_fast_one(
     assert "slowly" not in line  # auto never picks a slow backward
 
 
-@pytest.mark.parametrize("flags, slow", [({"avx2"}, True), ({"avx512_vnni"}, False),
-                                         ({"amx_int8"}, False)])
-def test_an_explicit_backward_on_codes_says_where_it_runs_slowly(monkeypatch, flags, slow):
-    """train.quant_backward = 'codes' on a CPU without int8 dot instructions (an AVX2-only
-    one) is taken, and the run's first lines say it runs slowly there."""
+@pytest.mark.parametrize("flags, native, slow", [({"avx2"}, False, True), ({"avx2"}, True, False),
+                                                 ({"avx512_vnni"}, False, False),
+                                                 ({"amx_int8"}, True, False)])
+def test_an_explicit_backward_on_codes_says_where_it_runs_slowly(monkeypatch, flags, native, slow):
+    """train.quant_backward = 'codes' where the int8 GEMM is neither torch._int_mm on VNNI
+    nor qarl.native's (an AVX2-only CPU without the native kernels: fp32 GEMMs on the codes)
+    is taken, and the run's first lines say it runs slowly there."""
+    from qarl.quant import kernels as K
+
+    if native and not K.native_ok(torch.device("cpu")):
+        pytest.skip("qarl.native is not built here")
     monkeypatch.setattr(isa, "cpu_flags", lambda: flags)
+    if not native:
+        monkeypatch.setattr(K, "native_ok", lambda device: False)
     line = precision.describe_quant_backward("codes", "codes", "w8a8-int8")
     assert "on codes" in line and ("slowly" in line) == slow
 

@@ -36,8 +36,11 @@ the engine's kernel (`Scheme.linear` of the recipe's format) at prefill and at d
 memory bandwidth as a streaming read of a buffer far larger than the caches. A phase's floor
 is its work at those rates (for a decode step, the larger of its FLOPs and its bytes over the
 rates: the roofline); `x floor` is measured / floor. The update's floor counts its products
-in the learner's precision, the cost the gradient pass cannot go under without changing its
-arithmetic; everything above it is overhead (Python, autograd, elementwise passes, copies).
+in the learner's precision, and those the gradient pass runs on the format's kernel (the
+forward in kernel alignment, dL/dx with the backward on codes: `kernel_products`) at that
+kernel's speed at the same shapes: the cost the gradient pass cannot go under without
+changing its arithmetic; everything above it is overhead (Python, autograd, elementwise
+passes, copies).
 
 `--results` writes the table into docs/results.md as the section of this machine's class
 (`roofline-avx2`, `roofline-avx512`, `roofline-amx`, `roofline-cuda`): one table per class,
@@ -160,9 +163,12 @@ def update_work(batch, config, train, algo) -> dict:
             min(recompute_head, head_rows) * algo.epochs, "context": context * algo.epochs}
 
 
-def update_floor(work: dict, linears, config, dtype, checkpointing: bool) -> tuple[float, float]:
+def update_floor(work: dict, linears, config, dtype, checkpointing: bool,
+                 int8: tuple[str, ...] = (), scheme: str = "none") -> tuple[float, float]:
     """(FLOPs, floor seconds) of the update: every product at the learner GEMM's measured
-    speed at the update's mean rows per micro-batch."""
+    speed at the update's mean rows per micro-batch; the decoder linears' products named in
+    `int8` ("forward", "grad_x") at the speed of `scheme`'s kernel instead, where the
+    gradient pass runs them on it (`kernel_products`)."""
     mb = work["micro_batches"]
     rows = max(1, round(work["block_rows"] / mb))
     forwards = 2 if checkpointing else 1
@@ -171,7 +177,12 @@ def update_floor(work: dict, linears, config, dtype, checkpointing: bool) -> tup
     for k, n, share in linears:
         shapes[(k, n)] = shapes.get((k, n), 0) + share
     for (k, n), count in shapes.items():
-        t = learner_gemm_seconds(max(1, round(rows * min(1.0, count))), k, n, dtype)
+        m = max(1, round(rows * min(1.0, count)))
+        t = learner_gemm_seconds(m, k, n, dtype)
+        if "forward" in int8:
+            t["forward"] = engine_gemm_seconds(scheme, m, k, n)
+        if "grad_x" in int8:  # g [m, n] on the codes [n, k]: a GEMM of n -> k
+            t["grad_x"] = engine_gemm_seconds(scheme, m, n, k)
         seconds += mb * (t["forward"] * forwards + t["grad_x"] + t["grad_w"]) * max(1.0, count)
         flops += 2 * k * n * count * work["block_rows"] * (forwards + 2)
     H, V = config.hidden_size, config.vocab_size
@@ -255,6 +266,24 @@ def measure(recipe: str, overrides: dict, steps: int, ignore: bool) -> dict:
     return reckon(config, model, precision, rows)
 
 
+def kernel_products(config, precision) -> tuple[str, ...]:
+    """Which products of the decoder's quantized linears the gradient pass runs on the
+    format's kernel rather than the learner's GEMM: the forward in kernel alignment where
+    `Scheme.kernel_for_gradients` holds, and dL/dx where the backward multiplies on the
+    weight's codes (`CodesPass.grad_input_on_codes`). dL/dW stays the learner's GEMM."""
+    from qarl.quant import SCHEMES
+
+    scheme = SCHEMES[config.quant.scheme]
+    if scheme.is_identity or config.quant.align != "kernel":
+        return ()
+    cpu = torch.device("cpu")
+    out = ("forward",) if scheme.kernel_for_gradients(cpu, precision.compute) else ()
+    codes = scheme.codes_pass()
+    if precision.quant_backward == "codes" and codes is not None and codes.grad_input_on_codes:
+        out += ("grad_x",)
+    return out
+
+
 def reckon(config, model, precision, rows) -> dict:
     """The table's figures from the measured steps (module docstring)."""
     linears = block_linears(model)
@@ -269,11 +298,13 @@ def reckon(config, model, precision, rows) -> dict:
     # update
     work = [update_work(b, config, config.train, config.algo) for _, b in rows]
     w = {k: sum(x[k] for x in work) / len(work) for k in work[0]}
+    int8 = kernel_products(config, precision)
     flops, floor = update_floor(w, linears, mc, precision.compute,
-                                config.train.gradient_checkpointing)
+                                config.train.gradient_checkpointing, int8, scheme)
+    on_kernel = f"; {scheme} kernel: {' and '.join(int8)}" if int8 else ""
     figures["update"] = {"work": f"{flops / 1e9:.0f} GFLOP", "rate": f"{flops / floor / 1e9:.0f} "
-                         f"GFLOP/s ({str(precision.compute).removeprefix('torch.')} GEMM)",
-                         "floor": floor}
+                         f"GFLOP/s ({str(precision.compute).removeprefix('torch.')} GEMM"
+                         f"{on_kernel})", "floor": floor}
 
     # generate: prefill + decode steps
     _, batch = rows[-1]

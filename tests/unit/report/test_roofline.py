@@ -48,3 +48,23 @@ def test_a_tiny_run_gives_every_phase_a_floor():
         if phase != "old_logp" or figures["work"] != "no rows replayed":
             assert figures["floor"] > 0 and figures["x_floor"] > 0, phase
     assert result["update_work"]["block_rows"] > result["update_work"]["head_rows"] > 0
+
+
+@pytest.mark.parametrize("overrides, backward, want", [
+    ({}, "codes", ("forward", "grad_x")),
+    ({}, "float", ("forward",)),
+    ({"quant.align": "fake"}, "codes", ()),
+    ({"quant.scheme": "none"}, None, ()),
+    ({"quant.scheme": "w4a16-int4"}, "codes", ()),  # its kernel is no gradient forward; dL/dx float
+])
+def test_the_update_floor_counts_kernel_products_at_the_kernels_speed(overrides, backward, want):
+    """The update's floor times a quantized linear's forward on the format's kernel where the
+    fp32 gradient pass runs it (kernel alignment), and dL/dx there too where the backward
+    multiplies on the weight's codes; everything else at the learner's GEMM."""
+    from dataclasses import replace
+
+    from qarl.train.learner.precision import Precision
+
+    config = load_config("default", {"train.compute_dtype": "float32", **overrides})
+    precision = replace(Precision.of(config.train, config.quant), quant_backward=backward)
+    assert roofline.kernel_products(config, precision) == want

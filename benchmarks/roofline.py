@@ -392,7 +392,8 @@ def write_results(result: dict, label: str, overrides: list[str]) -> None:
     notes = (f"{label}: seconds per step, the mean of steps 2..N (step 1 a warm-up), every "
              "response run to rollout.max_new_tokens. Floor: the phase's work at this "
              "machine's rates measured in the same process at the phase's shapes (the update's "
-             "products in the learner's GEMM and precision; generation and the replay by the "
+             "products in the learner's GEMM and precision, those it runs on the format's "
+             "kernel, named in its rate, at that kernel's speed; generation and the replay by the "
              "format's kernel and the memory bandwidth, each decode step the larger of the "
              "two); x floor: measured / floor. How the work is counted: the docstring of "
              "benchmarks/roofline.py.")

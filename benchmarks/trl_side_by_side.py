@@ -241,9 +241,9 @@ def run_arm(name: str, args: argparse.Namespace) -> dict:
     return {**json.loads(done.stdout.strip().splitlines()[-1]), **common}
 
 
-def write_results(report: dict) -> None:
-    """`--results`: each arm's s/step, phases and peak RSS into docs/results.md, with qarl's
-    speed over TRL's fastest arm as the glance."""
+def write_results(report: dict, section: str = "trl") -> None:
+    """`--results`: each arm's s/step, phases and peak RSS into docs/results.md (the page's
+    section `section`), with qarl's speed over TRL's fastest arm as the glance."""
     from results_page import this_command, write_section
 
     arms = report["arms"]
@@ -278,8 +278,8 @@ def write_results(report: dict) -> None:
         fastest = min(trl, key=trl.get)
         glance = (f"qarl vs TRL's GRPOTrainer, {report['recipe']} recipe",
                   f"{trl[fastest]:.1f}x as fast as TRL's fastest arm (`{fastest}`)")
-    write_section("trl", "qarl next to TRL", this_command(), "\n".join(lines), notes=notes,
-                  glance=glance)
+    title = "qarl next to TRL" + ("" if section == "trl" else f" ({section})")
+    write_section(section, title, this_command(), "\n".join(lines), notes=notes, glance=glance)
 
 
 def main() -> None:
@@ -292,6 +292,9 @@ def main() -> None:
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {ARMS}")
     parser.add_argument("--results", action="store_true",
                         help="write the arms into docs/results.md (section trl)")
+    parser.add_argument("--section", default="trl",
+                        help="the results page's section to write (e.g. trl-avx2: one per "
+                             "machine class)")
     parser.add_argument("--run-arm", choices=ARMS, help=argparse.SUPPRESS)  # a child's arm
     args = parser.parse_args()
     if args.steps < 2:
@@ -337,7 +340,7 @@ def main() -> None:
     }
     print(json.dumps(report, indent=1))
     if args.results:
-        write_results(report)
+        write_results(report, args.section)
 
 
 if __name__ == "__main__":

@@ -6,12 +6,16 @@ the same of what they hold (`engine_digests`, behind `Engine.weight_digests`), a
 `digest_mismatches` names every layer whose parts differ: a dropped, stale or altered layer
 after a sync. Each storage is hashed once (a tied lm_head is the embedding), on torch's
 threads (zlib releases the GIL); an accidental collision has probability 2^-32 per part.
+Within `hashing_once()` a storage is hashed once across calls too: an engine in this process
+that holds the very tensors the learner pushed takes the learner's CRCs of the same bytes,
+read at the same moment, instead of reading them again (a Ray actor hashes its own copy).
 """
 
 from __future__ import annotations
 
+import contextlib
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -32,15 +36,35 @@ def tensor_crc(t: Tensor) -> int:
     return zlib.crc32(t.contiguous().view(torch.uint8).numpy())
 
 
+# {storage view: CRC} while `hashing_once` is open in this process, else None
+_known: dict[tuple, int] | None = None
+
+
+@contextlib.contextmanager
+def hashing_once() -> Iterator[None]:
+    """Hash each storage view at most once across the digest calls inside (module docstring).
+    A view is its data pointer, shape, strides, dtype, device and version counter, so a
+    tensor written in place in between is hashed again."""
+    global _known
+    outer, _known = _known, {} if _known is None else _known
+    try:
+        yield
+    finally:
+        _known = outer
+
+
 def _crcs(tensors: list[Tensor | None]) -> list[int]:
     """tensor_crc of each (0 for None), each storage view once (a tied lm_head is the
-    embedding), on torch's thread count: zlib releases the GIL while it hashes."""
-    keys = [None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
-            for t in tensors]
-    unique = {k: t for k, t in zip(keys, tensors) if k is not None}
-    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-        crcs = dict(zip(unique, pool.map(tensor_crc, unique.values())))
-    return [0 if k is None else crcs[k] for k in keys]
+    embedding; within `hashing_once`, across calls), on torch's thread count: zlib releases
+    the GIL while it hashes."""
+    keys = [None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device,
+                                    t._version) for t in tensors]
+    known = {} if _known is None else _known
+    unique = {k: t for k, t in zip(keys, tensors) if k is not None and k not in known}
+    if unique:
+        with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+            known.update(zip(unique, pool.map(tensor_crc, unique.values())))
+    return [0 if k is None else known[k] for k in keys]
 
 
 def _parts(value: Tensor | QWeight) -> list[Tensor | None]:

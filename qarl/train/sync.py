@@ -50,7 +50,7 @@ from qarl.config import QuantSection, RunConfig
 from qarl.quant import SCHEMES, QWeight, export_state
 from qarl.quant.contract import ContractBroken, LayerRow, layer_table, settings_mismatches
 from qarl.quant.delta import StateDelta, encode_state, tensors_bytes
-from qarl.quant.digests import digest_mismatches, state_digests
+from qarl.quant.digests import digest_mismatches, hashing_once, state_digests
 from qarl.rollout import ENGINES
 
 class WeightSync:
@@ -145,8 +145,9 @@ class WeightSync:
 
     def verify(self, state: dict) -> None:
         """Raise ContractBroken unless every engine replica holds exactly `state`."""
-        expected = state_digests(state)
-        replicas = self.engine.weight_digests()
+        with hashing_once():  # an engine in this process holds the pushed tensors themselves
+            expected = state_digests(state)
+            replicas = self.engine.weight_digests()
         for index, held in enumerate(replicas):
             wrong = digest_mismatches(expected, held)
             if wrong:

@@ -99,6 +99,41 @@ def test_digests_find_altered_scales_and_stale_codes():
     assert wrong == [f"{LAYER} (codes, scales)"]
 
 
+def test_hashing_once_reads_each_storage_once_and_again_after_a_write(monkeypatch):
+    """Inside `hashing_once` the engine's digests of the very tensors the learner pushed reuse
+    the learner's CRCs (each storage read once across both calls), and equal the digests
+    computed apart; a tensor written in place between two calls is read again, and its change
+    is named; outside it every call reads its tensors."""
+    from qarl.quant import digests
+
+    learner, engine = _pair()
+    state = export_state(learner)
+    apart = (state_digests(state), engine_digests(engine.model))
+    reads = []
+    real = digests.tensor_crc
+    monkeypatch.setattr(digests, "tensor_crc", lambda t: reads.append(t.data_ptr()) or real(t))
+    with digests.hashing_once():
+        expected = state_digests(state)
+        first = len(reads)
+        held = engine_digests(engine.model)
+    assert (expected, held) == apart and digest_mismatches(expected, held) == []
+    # none read twice; the codes the engine holds are the pushed ones, never read again (its
+    # own copies of the unquantized tensors are other storages, read once each)
+    assert len(set(reads)) == len(reads)
+    codes = [v.codes.data_ptr() for v in state.values() if hasattr(v, "codes")]
+    assert codes and not set(codes) & set(reads[first:])
+    reads.clear()
+    state_digests(state)
+    assert len(reads) == first  # outside: read again
+    layer = quant_layers(engine.model)[LAYER]
+    with digests.hashing_once():
+        expected = state_digests(state)
+        with torch.no_grad():
+            layer._qweight.scales.mul_(1.01)  # in place: the same storage, a new version
+        held = engine_digests(engine.model)
+    assert digest_mismatches(expected, held) == [f"{LAYER} (scales)"]
+
+
 def test_naive_push_checks_the_full_precision_weights():
     """A naive learner pushes full-precision weights: the engine's copy of them is compared
     (its codes are its own quantization of them)."""

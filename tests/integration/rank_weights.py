@@ -11,12 +11,19 @@ Such a flip of input k changes column k of that layer's weight gradient (dL/dW =
 Measured after tiny's 3 steps (OVERRIDES there): every coordinate within 2.1e-6 but 23, all
 in column 204 of the last layer's down_proj, up to 5.4e-5 (one moved +4.0e-5 in one run and
 -1.4e-5 in the other).
+
+Both runs take the float backward (`FLOAT_BACKWARD` in their overrides). With the backward on
+codes ('auto' for a kernel-aligned int8 learner on CPUs whose int8 GEMM is native or
+torch._int_mm) dL/dx rounds g to int8 per row, so such a flip in g changes a whole row of
+dL/dx, which every layer below carries on into all of its columns: another draw of the codes'
+rounding noise (docs/learner.md, micro-batches), not a difference these tolerances bound.
 """
 
 from __future__ import annotations
 
 import torch
 
+FLOAT_BACKWARD = {"train.quant_backward": "float"}  # docstring
 TOLERANCE = 2e-5  # lr / 15: every coordinate outside the flipped columns
 FLIPPED_COLUMNS = 2  # input columns of weight matrices allowed beyond TOLERANCE ...
 FLIP_BOUND = 3e-4  # ... each coordinate there within lr: one Adam step the other way, at most

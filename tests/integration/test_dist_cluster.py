@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 
 from qarl.train import train
 from qarl.train.checkpoint import latest
-from rank_weights import assert_weights_agree
+from rank_weights import FLOAT_BACKWARD, assert_weights_agree
 
 OVERRIDES = {"train.steps": 3, "rollout.batch_size": 16, "train.micro_batch_size": 4,
-             "eval.size": 4, "eval.full_precision": False}
+             "eval.size": 4, "eval.full_precision": False, **FLOAT_BACKWARD}
 
 
 @pytest.fixture

@@ -20,21 +20,19 @@ from safetensors.torch import load_file
 from qarl.train import train
 from qarl.train.guards import TrainingAborted
 from qarl.train.checkpoint import latest
-from rank_weights import assert_weights_agree
+from rank_weights import FLOAT_BACKWARD, assert_weights_agree
 
 # FSDP vs replicated ranks: the same micro-batches on the same ranks, so the same summed
 # gradients (a + b is exact in either order); only the global gradient norm is summed in
 # another order (over shards), moving the clip coefficient by ~1e-7 relative. With the float
-# backward that moves the weights by ~1e-7. Where the quantized layers' backward runs on codes
-# (train.quant_backward 'auto' on CPUs with VNNI), dL/dW rounds g s_x to bf16: a weight that
-# moved by 1e-7 can flip one such rounding in the next step, a 2^-8 relative change of that
-# product, which Adam passes on as up to lr * 2^-8 = 1.2e-6 per optimizer step. Six optimizer
-# steps here (3 steps x 2 epochs): 7e-6, still 3x tighter than the one-rank tolerance.
+# backward (OVERRIDES: rank_weights.FLOAT_BACKWARD) that moves the weights by ~1e-7 per
+# optimizer step; six of them here (3 steps x 2 epochs). 7e-6 leaves room for that and is
+# still 3x tighter than the one-rank tolerance.
 FSDP_TOLERANCE = 7e-6
 
 
 OVERRIDES = {"train.steps": 3, "rollout.batch_size": 16, "train.micro_batch_size": 4,
-             "eval.size": 4, "eval.full_precision": False}
+             "eval.size": 4, "eval.full_precision": False, **FLOAT_BACKWARD}
 
 
 @pytest.fixture(scope="module")

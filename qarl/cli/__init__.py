@@ -16,6 +16,8 @@ import signal
 import sys
 import threading
 
+from qarl.train import signals
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 # subcommand -> (module, one-line help). The module owns its arguments and behaviour.
@@ -68,9 +70,11 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     return overrides, others
 
 
-class Interrupted(Exception):
+class Interrupted(BaseException):
     """SIGINT / SIGTERM while a command starts or ends, outside the run's own handling
-    (qarl.train.signals takes over while a run is under way)."""
+    (qarl.train.signals takes over while a run is under way). A BaseException, as
+    KeyboardInterrupt is, so that no `except Exception` it passes through (a library probing
+    an optional import while the command loads) takes it for an error and goes on."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -78,6 +82,9 @@ class Interrupted(Exception):
 
 
 def _interrupt(signum, frame):
+    # noted as well: where a bare `except:` swallows the exception all the same, a run that
+    # starts afterwards stops at its first check (qarl.train.signals.stop_on_signals)
+    signals.note(signum)
     raise Interrupted(signum)
 
 
@@ -101,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        signals.note(None)  # this command's; never the next in-process command's
 
 
 def entry() -> None:

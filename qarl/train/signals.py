@@ -7,6 +7,11 @@ decode step inside generation (`LocalEngine.stop_check`) and while waiting for r
 so a stop always finds the weights of a whole number of steps. The first signal also puts
 the previous handlers back: a second SIGINT / SIGTERM acts as it would without qarl.
 
+A stop signal that arrived before the block began, while the command loaded, is `note`d by
+the command's own handler (qarl.cli), whose exception may have been swallowed on the way (a
+library's bare `except:` around an optional import): the block starts with it set, so the
+run stops at its first check instead of running to its end.
+
 The flag is module state because signals are process state: one run per process.
 """
 
@@ -20,6 +25,7 @@ from typing import Iterator
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 _received: int | None = None  # the signal number once one arrived
+_noted: int | None = None  # one that arrived before `stop_on_signals` began (`note`)
 
 
 class StopRequested(Exception):
@@ -30,8 +36,16 @@ class StopRequested(Exception):
         self.signum = signum
 
 
+def note(signum: int | None) -> None:
+    """Record a stop signal that arrived outside `stop_on_signals` (module docstring); None
+    forgets it (a command that ended)."""
+    global _noted
+    _noted = signum
+
+
 def check_stop() -> None:
-    """Raise StopRequested if a stop signal arrived since `stop_on_signals` began."""
+    """Raise StopRequested if a stop signal arrived since `stop_on_signals` began (or was
+    noted before it)."""
     if _received is not None:
         raise StopRequested(_received)
 
@@ -40,7 +54,7 @@ def check_stop() -> None:
 def stop_on_signals() -> Iterator[None]:
     """Within the block, SIGTERM and SIGINT set the flag `check_stop` reads instead of
     ending the process. Outside the main thread signals cannot be handled: nothing changes."""
-    global _received
+    global _received, _noted
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -52,7 +66,7 @@ def stop_on_signals() -> Iterator[None]:
         for s, handler in previous.items():
             signal.signal(s, handler)
 
-    _received = None
+    _received, _noted = _noted, None  # one noted while the command loaded: stop at once
     for s in SIGNALS:
         signal.signal(s, record)
     try:

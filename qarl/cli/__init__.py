@@ -88,6 +88,25 @@ def _interrupt(signum, frame):
     raise Interrupted(signum)
 
 
+def _load_extensions() -> None:
+    """Import numpy and torch, the C extensions every command loads, with stop signals held
+    until they are in: a signal that interrupts an extension's initialisation leaves it half
+    loaded (its next import fails, or the process aborts), whatever catches the exception.
+    A signal that arrived meanwhile stops the command right after (`Interrupted`)."""
+    held: list[int] = []
+    handlers = {s: signal.signal(s, lambda signum, frame: held.append(signum))
+                for s in STOP_SIGNALS}
+    try:
+        import numpy  # noqa: F401
+        import torch  # noqa: F401
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    if held:
+        signals.note(held[0])
+        raise Interrupted(held[0])
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one `qarl` command; its exit status: 0, 2 for a user error (one message, no
     traceback), 128 + the signal's number for SIGINT / SIGTERM at any moment (130 / 143)."""
@@ -99,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     previous = {s: signal.signal(s, _interrupt) for s in STOP_SIGNALS} if handled else {}
     name = argv[0] if argv else "qarl"
     try:
+        if handled and name in COMMANDS and not {"-h", "--help"} & set(argv):
+            _load_extensions()
         return _run(argv)
     except (Interrupted, KeyboardInterrupt) as stop:
         signum = getattr(stop, "signum", signal.SIGINT)

@@ -55,3 +55,28 @@ def test_a_signal_a_bare_except_swallowed_stops_the_run_at_its_first_check(monke
     monkeypatch.setattr(cli, "_run", command)
     assert cli.main(["train"]) == 0
     assert seen["signum"] == signal.SIGINT and signals._noted is None
+
+
+def test_a_signal_while_the_c_extensions_load_waits_for_them(monkeypatch):
+    """numpy and torch load with stop signals held (an extension interrupted in its
+    initialisation stays half loaded): a SIGINT during torch's import lets the import end,
+    then stops the command (Interrupted, the signal noted), and the handlers are back."""
+    import builtins
+
+    real_import, finished = builtins.__import__, []
+
+    def importing(name, *args, **kwargs):
+        module = real_import(name, *args, **kwargs)
+        if name == "torch":
+            _deliver(signal.SIGINT)  # inside the import statement
+            finished.append(name)
+        return module
+
+    before = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(builtins, "__import__", importing)
+    with pytest.raises(cli.Interrupted) as stop:
+        cli._load_extensions()
+    monkeypatch.undo()
+    assert finished == ["torch"] and stop.value.signum == signal.SIGINT
+    assert signals._noted == signal.SIGINT and signal.getsignal(signal.SIGINT) is before
+    signals.note(None)

@@ -266,7 +266,8 @@ def measure(recipe: str, overrides: dict, steps: int, ignore: bool) -> dict:
     return reckon(config, model, precision, rows)
 
 
-def kernel_products(config, precision) -> tuple[str, ...]:
+def kernel_products(config, precision, device: torch.device = torch.device("cpu")
+                    ) -> tuple[str, ...]:
     """Which products of the decoder's quantized linears the gradient pass runs on the
     format's kernel rather than the learner's GEMM: the forward in kernel alignment where
     `Scheme.kernel_for_gradients` holds, and dL/dx where the backward multiplies on the
@@ -276,8 +277,7 @@ def kernel_products(config, precision) -> tuple[str, ...]:
     scheme = SCHEMES[config.quant.scheme]
     if scheme.is_identity or config.quant.align != "kernel":
         return ()
-    cpu = torch.device("cpu")
-    out = ("forward",) if scheme.kernel_for_gradients(cpu, precision.compute) else ()
+    out = ("forward",) if scheme.kernel_for_gradients(device, precision.compute) else ()
     codes = scheme.codes_pass()
     if precision.quant_backward == "codes" and codes is not None and codes.grad_input_on_codes:
         out += ("grad_x",)
@@ -298,7 +298,7 @@ def reckon(config, model, precision, rows) -> dict:
     # update
     work = [update_work(b, config, config.train, config.algo) for _, b in rows]
     w = {k: sum(x[k] for x in work) / len(work) for k in work[0]}
-    int8 = kernel_products(config, precision)
+    int8 = kernel_products(config, precision, next(model.parameters()).device)
     flops, floor = update_floor(w, linears, mc, precision.compute,
                                 config.train.gradient_checkpointing, int8, scheme)
     on_kernel = f"; {scheme} kernel: {' and '.join(int8)}" if int8 else ""

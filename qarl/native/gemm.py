@@ -76,6 +76,17 @@ def _check_s8_codes(codes: Tensor, what: str) -> Tensor:
     return codes.contiguous()
 
 
+def _pack_s8(pack, codes: Tensor, n: int, k: int, scales: Tensor | float) -> PackedS8:
+    """The panels `pack` (qarl_pack_s8 or qarl_pack_s8_t) writes of `codes` for a product
+    with n output columns and a contraction of k, with those columns' scales."""
+    p8 = (n + NR8 - 1) // NR8
+    out = torch.empty(p8 * ((k + 3) // 4) * 4 * NR8, dtype=torch.int8)
+    pack(codes.data_ptr(), *codes.shape, codes.shape[1], out.data_ptr(), _threads())
+    ws = torch.zeros(p8 * NR8, dtype=torch.float32)
+    ws[:n] = scales
+    return PackedS8(out, ws, n, k)
+
+
 def pack_s8(codes: Tensor, scales: Tensor) -> PackedS8:
     """codes [N, K] int8 in [-127, 127], scales [N] float32 (per output channel) -> packed.
 
@@ -85,13 +96,7 @@ def pack_s8(codes: Tensor, scales: Tensor) -> PackedS8:
         raise ValueError(f"pack_s8 expects scales [N] for codes {tuple(codes.shape)}, got "
                          f"{tuple(scales.shape)}")
     codes = _check_s8_codes(codes, "pack_s8")
-    n, k = codes.shape
-    p8 = (n + NR8 - 1) // NR8
-    out = torch.empty(p8 * ((k + 3) // 4) * 4 * NR8, dtype=torch.int8)
-    _lib().qarl_pack_s8(codes.data_ptr(), n, k, k, out.data_ptr(), _threads())
-    ws = torch.zeros(p8 * NR8, dtype=torch.float32)
-    ws[:n] = scales.float()
-    return PackedS8(out, ws, n, k)
+    return _pack_s8(_lib().qarl_pack_s8, codes, *codes.shape, scales.float())
 
 
 def pack_s8_t(codes: Tensor) -> PackedS8:
@@ -102,12 +107,7 @@ def pack_s8_t(codes: Tensor) -> PackedS8:
     (qarl.quant.schemes_8bit.Int8Codes.grad_input)."""
     codes = _check_s8_codes(codes, "pack_s8_t")
     n, k = codes.shape
-    p8 = (k + NR8 - 1) // NR8
-    out = torch.empty(p8 * ((n + 3) // 4) * 4 * NR8, dtype=torch.int8)
-    _lib().qarl_pack_s8_t(codes.data_ptr(), n, k, k, out.data_ptr(), _threads())
-    ws = torch.zeros(p8 * NR8, dtype=torch.float32)
-    ws[:k] = 1.0
-    return PackedS8(out, ws, k, n)
+    return _pack_s8(_lib().qarl_pack_s8_t, codes, k, n, 1.0)
 
 
 F32_ISAS = ("avx2", "avx512")  # the fp32 GEMM's instruction sets, by level (the same bits)

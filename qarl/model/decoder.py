@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from qarl.model.cache import KVCache
+from qarl.model.cache import KVCache, SharedPrefixCache
 from qarl.model.config import ModelConfig
 from qarl.model.mlp import MLP
 from qarl.model.moe import Routing, SparseMoeBlock, routing_scope
@@ -138,6 +138,38 @@ class Packing:
         return out.index_copy(0, self.index, x).view(self.batch, self.width, -1)
 
 
+@dataclass(frozen=True)
+class SharedPrompts:
+    """One forward of the distinct prompts and of every row's continuation after its prompt
+    (`CausalLM.forward_shared`): the tokens of both, [G x P prompt tokens; n packed
+    continuation tokens], go through every per-token op (the projections, the MLP, the
+    norms) together, so each layer's weights meet one GEMM of G x P + n rows where a prompt
+    forward and a continuation forward over a `SharedPrefixCache` meet two smaller ones (and
+    a learner's backward computes each weight's gradient once per micro-batch, at the larger
+    height: benchmarks/roofline.py times the update). Attention alone runs per part: the
+    prompts among themselves, filling the cache, then the continuation over its prompt's keys
+    and its own. Per-token ops are row-wise in every format, so only GEMM rounding differs
+    from the two forwards."""
+
+    prompts: tuple[int, int]  # (G, P)
+    fill: tuple[Tensor, Tensor, Tensor | None]  # the prompts' cos, sin, attention mask
+    rest: tuple[Tensor, Tensor, Tensor | None]  # the continuation's
+    packing: Packing  # the continuation's computed positions
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.prompts[0] * self.prompts[1]
+
+    def attention(self, attend: Callable, q: Tensor, k: Tensor, v: Tensor,
+                  cache: SharedPrefixCache, layer: int) -> Tensor:
+        """`attend` (Attention.attend) of each part; their outputs in the tokens' order."""
+        (G, P), n = self.prompts, self.prompt_tokens
+        fill = attend(q[:n].view(G, P, -1), k[:n].view(G, P, -1), v[:n].view(G, P, -1),
+                      *self.fill, cache, layer, 0, None)  # [G, P, heads x D]
+        rest = attend(q[n:], k[n:], v[n:], *self.rest, cache, layer, P, self.packing)
+        return torch.cat([fill.reshape(n, -1), rest])
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -154,9 +186,17 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, cache_start: int,
-                packing: Packing | None = None):
+                packing: "Packing | SharedPrompts | None" = None):
         # x: [B, T, hidden], or [n, hidden] under `packing` (rows back to [B, T] for attention)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if isinstance(packing, SharedPrompts):
+            return self.o_proj(packing.attention(self.attend, q, k, v, cache, layer))
+        return self.o_proj(self.attend(q, k, v, cos, sin, mask, cache, layer, cache_start, packing))
+
+    def attend(self, q, k, v, cos, sin, mask, cache: KVCache | None, layer: int,
+               cache_start: int, packing: Packing | None) -> Tensor:
+        """Attention of projected q, k, v ([B, T, heads x D], or [n, ...] under `packing`):
+        [B, T, heads x D], or [n, ...], the input of o_proj."""
         if packing is not None:
             q, k, v = packing.pad(q), packing.pad(k), packing.pad(v)
         B, T = q.shape[:2]
@@ -175,7 +215,7 @@ class Attention(nn.Module):
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         out = out.transpose(1, 2).reshape(B, T, -1)
-        return self.o_proj(out if packing is None else packing.pack(out))
+        return out if packing is None else packing.pack(out)
 
 
 class Block(nn.Module):
@@ -297,16 +337,56 @@ class CausalLM(nn.Module):
         if positions is None:
             positions = torch.arange(cache_start, cache_start + T, device=input_ids.device).expand(B, T)
         body = self.model
-        layers: Sequence[Callable] = body.layers
-        if self.recompute_context is not None and torch.is_grad_enabled():
-            context = partial(_recompute_context, self.recompute_context, routing)
-            layers = [partial(_recomputed, layer, context) for layer in body.layers]
+        layers = self._layers(routing)
         with routing_scope(routing):
             return decoder_forward(body.embed_tokens, layers, body.norm, self.rope,
                                    input_ids, positions, cache, cache_start, key_mask,
                                    None if packed is None else Packing.of(
                                        packed, None if key_mask is None else
                                        key_mask[:, cache_start : cache_start + T]))
+
+    def _layers(self, routing: Routing | None) -> Sequence[Callable]:
+        """The decoder layers, each under gradient checkpointing where that is on."""
+        if self.recompute_context is None or not torch.is_grad_enabled():
+            return self.model.layers
+        context = partial(_recompute_context, self.recompute_context, routing)
+        return [partial(_recomputed, layer, context) for layer in self.model.layers]
+
+    def forward_shared(
+        self,
+        prompt_ids: Tensor,  # [G, P] int64: the distinct prompts
+        prompt_positions: Tensor,  # [G, P] int64
+        prompt_mask: Tensor,  # [G, P] bool; False = padding
+        input_ids: Tensor,  # [B, T] int64: each row's continuation after its prompt
+        positions: Tensor,  # [B, T] int64
+        key_mask: Tensor,  # [B, P + T] bool over each row's prompt and continuation
+        packed: Tensor,  # [B, T] bool: the continuation positions to compute (`Packing`)
+        cache: SharedPrefixCache,  # rows[b]: the prompt of row b
+    ) -> tuple[Tensor, Tensor]:  # ([G, P, hidden], [n, hidden]: the packed positions)
+        """The prompts' forward into `cache`, then the continuation's over it, as one pass
+        (`SharedPrompts`): the values of `self(prompt_ids, ..., cache=cache)` and of
+        `self(input_ids, ..., cache=cache, cache_start=P, packed=packed)` up to GEMM
+        rounding, each per-token op run once on both parts' tokens. A dense model's only (a
+        MoE block routes [B, T] rows)."""
+        if self.config.moe_layers:
+            raise ValueError("a shared-prompt forward needs a dense model: a MoE layer routes "
+                             "[B, T] rows; run the prompts, then the continuation")
+        (G, P), T = prompt_ids.shape, input_ids.shape[1]
+        device = input_ids.device
+        packing = Packing.of(packed, key_mask[:, P : P + T])
+        body = self.model
+        x = torch.cat([body.embed_tokens(prompt_ids).reshape(G * P, -1),
+                       body.embed_tokens(input_ids.reshape(-1).index_select(0, packing.index))])
+        shared = SharedPrompts(
+            prompts=(G, P),
+            fill=(*self.rope(prompt_positions, x.dtype),
+                  attention_mask(prompt_mask, 0, P, P, device)),
+            rest=(*self.rope(positions, x.dtype), attention_mask(key_mask, P, T, P + T, device)),
+            packing=packing)
+        for i, layer in enumerate(self._layers(None)):
+            x = layer(x, None, None, None, cache, i, 0, shared)
+        x = body.norm(x)
+        return x[: G * P].view(G, P, -1), x[G * P :]
 
     def logits(self, input_ids: Tensor, **kwargs) -> Tensor:  # [B, T, vocab]
         return self.lm_head(self(input_ids, **kwargs))

@@ -103,10 +103,12 @@ def _predicting_hidden(model: CausalLM, batch: RolloutBatch, routing: Routing | 
     its forward (`SharedPrefixCache`): each distinct prompt runs once, then every row's
     response against its prompt's keys and values; the same function as one pass over every
     row's prompt + response, up to GEMM rounding. MoE routing replay takes the one-pass
-    forward (its expert records are per row). A dense model's responses run packed
-    (`Packing`): the padding after the responses shorter than the batch's longest, and each
-    response's last token, cost only their attention slots (a MoE block routes [B, T] rows).
-    The one-pass forward (no prompt shared: SFT's batches) keeps the padded pass."""
+    forward (its expert records are per row). A dense model runs the prompts and the
+    responses in one pass (`SharedPrompts`: one GEMM per layer and weight for both), its
+    responses packed (`Packing`): the padding after the responses shorter than the batch's
+    longest, and each response's last token, cost only their attention slots. A MoE model
+    runs the prompts, then the padded responses (a MoE block routes [B, T] rows). The
+    one-pass forward (no prompt shared: SFT's batches) keeps the padded pass."""
     P, L = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
     seq_mask = batch.sequence_mask()  # [N, P + L]
     positions = positions_from_mask(seq_mask)
@@ -117,17 +119,22 @@ def _predicting_hidden(model: CausalLM, batch: RolloutBatch, routing: Routing | 
         return hidden[:, P - 1 : P - 1 + L]
     cache = SharedPrefixCache(rows)
     ids, mask = batch.prompt_ids[prompts], batch.prompt_mask[prompts]  # [G, P]
+    if L > 1 and not model.config.moe_layers:
+        # the prompts and the continuation in one pass (`CausalLM.forward_shared`), of the
+        # continuation only the inputs that predict a response token: the padding after a
+        # short response (rollouts are padded to the batch's longest) and each row's last
+        # token compute nothing
+        keep = batch.response_mask[:, 1:]  # [N, L-1] bool
+        prompt_hidden, cont = model.forward_shared(
+            ids, positions[prompts, :P], mask, batch.response_ids[:, : L - 1],
+            positions[:, P : P + L - 1], seq_mask[:, : P + L - 1], keep, cache)
+        return torch.cat([prompt_hidden[:, -1:].index_select(0, rows),
+                          Packing.of(keep).pad(cont)], dim=1)
     last = model(ids, positions=positions[prompts, :P], key_mask=mask, cache=cache)[:, -1:]
     if L == 1:
         return last.index_select(0, rows)
-    # only the inputs that predict a response token: the padding after a short response
-    # (rollouts are padded to the batch's longest) and each row's last token compute nothing
-    keep = None if model.config.moe_layers else batch.response_mask[:, 1:]  # [N, L-1] bool
     cont = model(batch.response_ids[:, : L - 1], positions=positions[:, P : P + L - 1],
-                 key_mask=seq_mask[:, : P + L - 1], cache=cache, cache_start=P,
-                 packed=keep)  # [N, L-1, H], or [n, H] packed
-    if keep is not None:
-        cont = Packing.of(keep).pad(cont)
+                 key_mask=seq_mask[:, : P + L - 1], cache=cache, cache_start=P)  # [N, L-1, H]
     return torch.cat([last.index_select(0, rows), cont], dim=1)
 
 

@@ -84,8 +84,9 @@ def test_prefix_cache_refuses_a_continuation_at_another_slot():
 
 
 def test_the_gradient_pass_computes_no_response_padding(tiny):
-    """Each distinct prompt runs once, then only the response tokens that predict another
-    (`Packing`): a layer sees G x P + sum(len - 1) rows, not G x P + N x (L - 1)."""
+    """Each distinct prompt runs once, and only the response tokens that predict another
+    (`Packing`), in one pass (`SharedPrompts`): a layer sees G x P + sum(len - 1) rows in one
+    call, not G x P + N x (L - 1)."""
     batch = _batch()
     rows = []
     hook = tiny.model.layers[0].mlp.up_proj.register_forward_hook(
@@ -95,5 +96,5 @@ def test_the_gradient_pass_computes_no_response_padding(tiny):
     finally:
         hook.remove()
     lengths = batch.response_mask.sum(1)  # [5, 3, 5, 4, 2, 5, 1, 5]
-    assert rows == [2 * P, int((lengths - 1).sum())]
+    assert rows == [2 * P + int((lengths - 1).sum())]
     assert torch.equal(logp != 0, batch.response_mask)

@@ -164,9 +164,13 @@ class SharedPrompts:
                   cache: SharedPrefixCache, layer: int) -> Tensor:
         """`attend` (Attention.attend) of each part; their outputs in the tokens' order."""
         (G, P), n = self.prompts, self.prompt_tokens
-        fill = attend(q[:n].view(G, P, -1), k[:n].view(G, P, -1), v[:n].view(G, P, -1),
-                      *self.fill, cache, layer, 0, None)  # [G, P, heads x D]
-        rest = attend(q[n:], k[n:], v[n:], *self.rest, cache, layer, P, self.packing)
+        # split, not slices: its backward writes each gradient once into one tensor, where
+        # two slices' would each fill a zero tensor of all the tokens and then add them
+        parts = [t.split([n, t.shape[0] - n]) for t in (q, k, v)]
+        fill = attend(*(first.view(G, P, -1) for first, _ in parts), *self.fill, cache, layer,
+                      0, None)  # [G, P, heads x D]
+        rest = attend(*(second for _, second in parts), *self.rest, cache, layer, P,
+                      self.packing)
         return torch.cat([fill.reshape(n, -1), rest])
 
 

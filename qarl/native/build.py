@@ -1,5 +1,5 @@
-"""Compile qarl's C files (kernels.c, kernels_s8.c, attention.c, decode.c, logprobs.c) once per
-machine and load them with ctypes.
+"""Compile qarl's C files (kernels.c, kernels_s8.c, attention.c, decode.c, logprobs.c,
+bytes.c) once per machine and load them with ctypes.
 
 The shared library is built on first use with the system C compiler (no torch headers, so it
 is quick) into `$QARL_HOME/kernels/qarl_cpu-<hash>.so`, the hash covering the
@@ -26,7 +26,8 @@ import torch  # noqa: F401  (loaded first: its libgomp is the one kernels.c link
 from qarl.native.isa import cpu_flags
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("kernels.c", "kernels_s8.c", "attention.c", "decode.c", "logprobs.c")]
+           for name in ("kernels.c", "kernels_s8.c", "attention.c", "decode.c", "logprobs.c",
+                        "bytes.c")]
 # included by the sources: part of the hash
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "kernels.h", "kernels_s8_tile.h")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
@@ -108,12 +109,18 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "qarl_sample_rows": [p, i64, i64, i64, f32, p, p, p, p, i32],
         "qarl_token_logp": [p, i32, i64, i64, i64, p, f32, p, p, p, i32],
         "qarl_token_logp_backward": [p, i32, i64, i64, i64, p, f32, p, p, p, i64, i32],
+        "qarl_crc32": [p, i64, ctypes.c_uint32],
+        "qarl_crc32_folds": [],
+        "qarl_count_changed_bytes": [p, p, i64, i32],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
-    for name in ("qarl_s8_isa", "qarl_s8_set_isa", "qarl_f32_isa", "qarl_f32_set_isa"):
+    for name in ("qarl_s8_isa", "qarl_s8_set_isa", "qarl_f32_isa", "qarl_f32_set_isa",
+                 "qarl_crc32_folds"):
         getattr(lib, name).restype = i32
+    lib.qarl_crc32.restype = ctypes.c_uint32
+    lib.qarl_count_changed_bytes.restype = ctypes.c_int64
     return lib
 
 

@@ -5,7 +5,8 @@
 the same of what they hold (`engine_digests`, behind `Engine.weight_digests`), and
 `digest_mismatches` names every layer whose parts differ: a dropped, stale or altered layer
 after a sync. Each storage is hashed once (a tied lm_head is the embedding), on torch's
-threads (zlib releases the GIL); an accidental collision has probability 2^-32 per part.
+threads (qarl.native's CRC and zlib's release the GIL); an accidental collision has
+probability 2^-32 per part.
 Within `hashing_once()` a storage is hashed once across calls too: an engine in this process
 that holds the very tensors the learner pushed takes the learner's CRCs of the same bytes,
 read at the same moment, instead of reading them again (a Ray actor hashes its own copy).
@@ -21,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import Tensor, nn
 
+from qarl import native
+from qarl.native import bytes as native_bytes
 from qarl.quant.apply import quant_layers
 from qarl.quant.qweight import QWeight
 
@@ -29,10 +32,13 @@ CODES_SUFFIX = ":codes"  # an engine layer's codes next to its master weight (se
 
 
 def tensor_crc(t: Tensor) -> int:
-    """CRC-32 of a tensor's bytes (any dtype, any device: copied to the CPU when needed)."""
+    """CRC-32 of a tensor's bytes (any dtype, any device: copied to the CPU when needed):
+    zlib's, folded by qarl.native's carry-less multiplies where those run (the same value)."""
     t = t.detach().reshape(-1)
     if t.device.type != "cpu":
         t = t.cpu()
+    if native.available():
+        return native_bytes.crc32(t)
     return zlib.crc32(t.contiguous().view(torch.uint8).numpy())
 
 
@@ -62,8 +68,19 @@ def _crcs(tensors: list[Tensor | None]) -> list[int]:
     known = {} if _known is None else _known
     unique = {k: t for k, t in zip(keys, tensors) if k is not None and k not in known}
     if unique:
-        with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-            known.update(zip(unique, pool.map(tensor_crc, unique.values())))
+        # one task per thread, each a share of the tensors of about equal bytes (largest
+        # first onto the lightest share): a state has hundreds of small tensors, and a task
+        # per tensor would cost more than hashing it
+        shares: list[list[tuple]] = [[] for _ in range(max(1, torch.get_num_threads()))]
+        loads = [0] * len(shares)
+        for key, t in sorted(unique.items(), key=lambda kt: -kt[1].nbytes):
+            lightest = loads.index(min(loads))
+            shares[lightest].append((key, t))
+            loads[lightest] += t.nbytes
+        shares = [share for share in shares if share]
+        with ThreadPoolExecutor(len(shares)) as pool:
+            for done in pool.map(lambda share: [(k, tensor_crc(t)) for k, t in share], shares):
+                known.update(done)
     return [0 if k is None else known[k] for k in keys]
 
 

@@ -45,8 +45,11 @@ from __future__ import annotations
 import time
 
 import torch
+from torch import Tensor
 
+from qarl import native
 from qarl.config import QuantSection, RunConfig
+from qarl.native import bytes as native_bytes
 from qarl.quant import SCHEMES, QWeight, export_state
 from qarl.quant.contract import ContractBroken, LayerRow, layer_table, settings_mismatches
 from qarl.quant.delta import StateDelta, encode_state, tensors_bytes
@@ -214,12 +217,17 @@ def code_changes(old: dict[str, QWeight], new: dict[str, QWeight],
     changed_by_kind: dict[str, int] = {}
     total_by_kind: dict[str, int] = {}
     drift_sum, drift_count = 0.0, 0
+    scales_old: list[Tensor] = []
+    scales_new: list[Tensor] = []
     for name, qw in new.items():
         before = old[name]
         kind = layer_kind(name)
         # codes of sub-byte formats are packed bytes: a changed byte = a changed code pair;
-        # bytes differ where their uint8 difference is not zero (one pass, no bool tensor)
-        if changed is None:
+        # bytes differ where their uint8 difference is not zero (one pass, no bool tensor;
+        # on the CPU qarl.native compares them in place)
+        if changed is None and native.available() and qw.codes.is_cpu and before.codes.is_cpu:
+            moved = native_bytes.count_changed_bytes(qw.codes, before.codes)
+        elif changed is None:
             moved = int(torch.count_nonzero(
                 qw.codes.view(torch.uint8) - before.codes.view(torch.uint8)))
         else:
@@ -227,12 +235,14 @@ def code_changes(old: dict[str, QWeight], new: dict[str, QWeight],
         changed_by_kind[kind] = changed_by_kind.get(kind, 0) + moved
         total_by_kind[kind] = total_by_kind.get(kind, 0) + qw.codes.numel()
         if qw.scales is not None:
-            s_old, s_new = before.scales.float(), qw.scales.float()
-            # |s_new - s_old| / |s_old|, over scales that are not zero
-            nonzero = s_old != 0
-            rel = (s_new - s_old).abs()[nonzero] / s_old.abs()[nonzero]
-            drift_sum += float(rel.sum())
-            drift_count += int(nonzero.sum())
+            scales_old.append(before.scales.reshape(-1).float())
+            scales_new.append(qw.scales.reshape(-1).float())
+    if scales_old:  # every layer's scales at once: a few ops, not a few per layer
+        s_old, s_new = torch.cat(scales_old), torch.cat(scales_new)
+        # |s_new - s_old| / |s_old|, over scales that are not zero
+        nonzero = s_old != 0
+        rel = (s_new - s_old).abs()[nonzero] / s_old.abs()[nonzero]
+        drift_sum, drift_count = float(rel.sum()), int(nonzero.sum())
     metrics = {"sync/changed_code_frac": sum(changed_by_kind.values())
                / max(1, sum(total_by_kind.values())),
                "sync/scale_rel_drift": drift_sum / max(1, drift_count)}

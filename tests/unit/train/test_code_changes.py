@@ -70,3 +70,21 @@ def test_a_deltas_counts_give_the_same_metrics_as_counting(scheme):
     counted = code_changes(old, new)
     assert 0 < counted["sync/changed_code_frac"] < 1
     assert code_changes(old, new, counts) == counted
+
+
+@pytest.mark.parametrize("scheme", ["w8a8-int8", "w4a16-int4"])
+def test_counting_in_place_and_by_torch_give_the_same_metrics(scheme, monkeypatch):
+    """qarl.native compares the codes in place where it runs; without it, torch counts the
+    nonzero bytes of their difference: the same metrics, scale drift included."""
+    from qarl.train import sync
+
+    g = torch.Generator().manual_seed(2)
+    old = _state(scheme, g)
+    new = {name: SCHEMES[scheme].quantize(SCHEMES[scheme].dequantize(qw) * 1.01
+                                          + torch.randn(qw.shape, generator=g) * 1e-3)
+           for name, qw in old.items()}
+    native = code_changes(old, new)
+    monkeypatch.setattr(sync.native, "available", lambda: False)
+    portable = code_changes(old, new)
+    assert native == portable
+    assert 0 < native["sync/changed_code_frac"] < 1 and native["sync/scale_rel_drift"] > 0

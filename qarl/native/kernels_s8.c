@@ -340,9 +340,9 @@ void qarl_quantize_row_s8(const float* x, int64_t K, int8_t* q, float* scale) {
         __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + k), vs),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         __m256i c = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
-        int32_t c32[8];
-        _mm256_storeu_si256((__m256i*)c32, c);
-        for (int j = 0; j < 8; j++) q[k + j] = (int8_t)c32[j];
+        // 8 int32 in [-127, 127] -> 8 int8: the saturating packs change no value
+        __m128i c16 = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+        _mm_storel_epi64((__m128i*)(q + k), _mm_packs_epi16(c16, c16));
     }
     for (; k < K; k++) {
         float v = __builtin_nearbyintf(x[k] / s);  // the default rounding mode: half to even

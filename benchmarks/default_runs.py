@@ -17,7 +17,8 @@ chain sums); its table goes to the section `<recipe>-runs`.
 Arguments after the options are `qarl train` overrides (the results page's table is the default
 recipe's: pass none for it). Each run is a child process (`qarl train`, as a user runs it);
 its wall time and peak RSS are the child's own (`os.wait4`). The runs' folders go to a
-temporary folder unless `--keep DIR`.
+temporary folder unless `--keep DIR`, which must not hold a run of those seeds already (a
+`qarl train` there would resume it, not train it).
 """
 
 from __future__ import annotations
@@ -117,6 +118,12 @@ def notes(results: list[dict], recipe: str = "default") -> str:
     return text
 
 
+def refuse(message: str) -> None:
+    """Bad arguments: the message on stderr, exit status 2, before any run starts."""
+    print(f"default_runs.py: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -133,10 +140,16 @@ def main() -> None:
                         "(default: this machine's, benchmarks/results_page.py machine_class)")
     args, overrides = parser.parse_known_args()
     if args.results and overrides:
-        raise SystemExit("--results writes the default recipe's table: drop the overrides "
-                         f"{overrides}, or drop --results")
+        refuse("--results writes the default recipe's table: drop the overrides "
+               f"{overrides}, or drop --results")
     from qarl.native import machine
 
+    held = [] if args.keep is None or args.source else [
+        f"seed{seed}" for seed in args.seeds if (args.keep / f"seed{seed}").exists()]
+    if held:  # `qarl train` would resume those runs (finished: at once), not train them
+        refuse(f"--keep {args.keep} already holds {', '.join(held)}: a run there resumes "
+               f"instead of training. Give an empty folder, or read the kept runs with "
+               f"--from {args.keep}")
     with tempfile.TemporaryDirectory() as scratch:
         out = args.keep or Path(scratch)
         out.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from functools import partial
 from typing import ContextManager
 
@@ -27,6 +26,7 @@ from qarl.model.cache import KVCache, SharedPrefixCache
 from qarl.model.config import ModelConfig
 from qarl.model.mlp import MLP
 from qarl.model.moe import Routing, SparseMoeBlock, routing_scope
+from qarl.model.packing import Packing, SharedPrompts
 
 
 class RMSNorm(nn.Module):
@@ -95,83 +95,6 @@ def attention_mask(
         mask = mask & key_mask[:, None, None, :num_keys]
         mask = mask | (k_slot[None, :] == q_slot[:, None])[None, None]
     return mask
-
-
-@dataclass(frozen=True)
-class Packing:
-    """The [B, T] positions a forward computes, packed row-major into one run of n tokens.
-
-    Every per-token op (the projections, the MLP, the norms: most of a layer's FLOPs) runs on
-    the n packed tokens only; attention alone needs rows, so it scatters queries, keys and
-    values back to [B, T] (other slots zero, never attended: the key mask marks them padding,
-    or causality puts them after every packed query) and packs its output again. That is
-    verl's "remove padding": a batch of responses of very different lengths (long RL rollouts
-    padded to the longest) computes its real tokens, not B x T. Per-token ops are row-wise in
-    every format (activation quantizers scale per token or per group of one token), so only
-    GEMM rounding differs from the padded pass."""
-
-    index: Tensor  # [n] int64: b * width + t of each computed position, ascending
-    batch: int
-    width: int
-
-    @classmethod
-    def of(cls, keep: Tensor, real: Tensor | None = None) -> "Packing":
-        """keep: [B, T] bool, the positions to compute; real: [B, T] bool, the positions that
-        are not padding (None: all). A kept position's queries attend every real position
-        before it, so each of those must be kept too."""
-        if real is not None:
-            after = keep.flip(1).cummax(1).values.flip(1)  # [B, T]: at or before a kept one
-            holes = real & after & ~keep
-            if bool(holes.any()):
-                b, t = (int(i) for i in holes.nonzero()[0])
-                raise ValueError(
-                    f"packed forward: row {b} keeps a position after its position {t}, which "
-                    "is neither kept nor padding, so attention would read keys never computed; "
-                    "keep every real position before the last kept one of its row")
-        return cls(keep.reshape(-1).nonzero().squeeze(1), keep.shape[0], keep.shape[1])
-
-    def pack(self, x: Tensor) -> Tensor:  # [B, T, F] -> [n, F]
-        return x.reshape(self.batch * self.width, -1).index_select(0, self.index)
-
-    def pad(self, x: Tensor) -> Tensor:  # [n, F] -> [B, T, F], zeros elsewhere
-        out = x.new_zeros(self.batch * self.width, x.shape[-1])
-        return out.index_copy(0, self.index, x).view(self.batch, self.width, -1)
-
-
-@dataclass(frozen=True)
-class SharedPrompts:
-    """One forward of the distinct prompts and of every row's continuation after its prompt
-    (`CausalLM.forward_shared`): the tokens of both, [G x P prompt tokens; n packed
-    continuation tokens], go through every per-token op (the projections, the MLP, the
-    norms) together, so each layer's weights meet one GEMM of G x P + n rows where a prompt
-    forward and a continuation forward over a `SharedPrefixCache` meet two smaller ones (and
-    a learner's backward computes each weight's gradient once per micro-batch, at the larger
-    height: benchmarks/roofline.py times the update). Attention alone runs per part: the
-    prompts among themselves, filling the cache, then the continuation over its prompt's keys
-    and its own. Per-token ops are row-wise in every format, so only GEMM rounding differs
-    from the two forwards."""
-
-    prompts: tuple[int, int]  # (G, P)
-    fill: tuple[Tensor, Tensor, Tensor | None]  # the prompts' cos, sin, attention mask
-    rest: tuple[Tensor, Tensor, Tensor | None]  # the continuation's
-    packing: Packing  # the continuation's computed positions
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.prompts[0] * self.prompts[1]
-
-    def attention(self, attend: Callable, q: Tensor, k: Tensor, v: Tensor,
-                  cache: SharedPrefixCache, layer: int) -> Tensor:
-        """`attend` (Attention.attend) of each part; their outputs in the tokens' order."""
-        (G, P), n = self.prompts, self.prompt_tokens
-        # split, not slices: its backward writes each gradient once into one tensor, where
-        # two slices' would each fill a zero tensor of all the tokens and then add them
-        parts = [t.split([n, t.shape[0] - n]) for t in (q, k, v)]
-        fill = attend(*(first.view(G, P, -1) for first, _ in parts), *self.fill, cache, layer,
-                      0, None)  # [G, P, heads x D]
-        rest = attend(*(second for _, second in parts), *self.rest, cache, layer, P,
-                      self.packing)
-        return torch.cat([fill.reshape(n, -1), rest])
 
 
 class Attention(nn.Module):
@@ -333,7 +256,10 @@ class CausalLM(nn.Module):
         key_mask: Tensor | None = None,  # [B, S] bool over slots 0..S-1; False = padding
         routing: Routing | None = None,  # MoE: experts to use, and where the chosen ones go
         packed: Tensor | None = None,  # [B, T] bool: compute only these positions (`Packing`)
+        prompts: tuple[Tensor, Tensor, Tensor] | None = None,  # see forward_shared
     ) -> Tensor:  # [B, T, hidden], or [n, hidden]: the `packed` positions, row-major
+        if prompts is not None:  # through __call__, so a sharded model's hooks gather weights
+            return self._shared_pass(*prompts, input_ids, positions, key_mask, packed, cache)
         B, T = input_ids.shape
         if packed is not None and self.config.moe_layers:
             raise ValueError("a packed forward needs a dense model: a MoE layer routes [B, T] "
@@ -372,6 +298,11 @@ class CausalLM(nn.Module):
         `self(input_ids, ..., cache=cache, cache_start=P, packed=packed)` up to GEMM
         rounding, each per-token op run once on both parts' tokens. A dense model's only (a
         MoE block routes [B, T] rows)."""
+        return self(input_ids, positions=positions, cache=cache, key_mask=key_mask,
+                    packed=packed, prompts=(prompt_ids, prompt_positions, prompt_mask))
+
+    def _shared_pass(self, prompt_ids, prompt_positions, prompt_mask, input_ids, positions,
+                     key_mask, packed, cache) -> tuple[Tensor, Tensor]:
         if self.config.moe_layers:
             raise ValueError("a shared-prompt forward needs a dense model: a MoE layer routes "
                              "[B, T] rows; run the prompts, then the continuation")

@@ -41,7 +41,8 @@ from torch.utils.checkpoint import checkpoint
 
 from qarl import native
 from qarl.model.cache import SharedPrefixCache
-from qarl.model.decoder import CausalLM, Packing, Routing, positions_from_mask
+from qarl.model.decoder import CausalLM, Routing, positions_from_mask
+from qarl.model.packing import Packing
 from qarl.lora.layers import lora_names
 from qarl.rollout.sampling import kept_logprobs, token_logprobs
 from qarl.train.learner.precision import Precision, lm_head_logits

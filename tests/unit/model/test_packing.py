@@ -10,7 +10,7 @@ import torch
 
 from qarl.model.cache import SharedPrefixCache
 from qarl.model.config import ModelConfig
-from qarl.model.decoder import Packing
+from qarl.model.packing import Packing
 from qarl.model.zoo import init_tiny
 
 # The packed and padded passes run the same per-row math through GEMMs of other heights:

@@ -113,7 +113,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, cache_start: int,
-                packing: "Packing | SharedPrompts | None" = None):
+                packing: Packing | SharedPrompts | None = None):
         # x: [B, T, hidden], or [n, hidden] under `packing` (rows back to [B, T] for attention)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if isinstance(packing, SharedPrompts):

@@ -256,7 +256,7 @@ class CausalLM(nn.Module):
         key_mask: Tensor | None = None,  # [B, S] bool over slots 0..S-1; False = padding
         routing: Routing | None = None,  # MoE: experts to use, and where the chosen ones go
         packed: Tensor | None = None,  # [B, T] bool: compute only these positions (`Packing`)
-        prompts: tuple[Tensor, Tensor, Tensor] | None = None,  # see forward_shared
+        prompts: tuple[Tensor, Tensor, Tensor] | None = None,  # forward_shared: [G x P + n, H]
     ) -> Tensor:  # [B, T, hidden], or [n, hidden]: the `packed` positions, row-major
         if prompts is not None:  # through __call__, so a sharded model's hooks gather weights
             return self._shared_pass(*prompts, input_ids, positions, key_mask, packed, cache)
@@ -298,11 +298,15 @@ class CausalLM(nn.Module):
         `self(input_ids, ..., cache=cache, cache_start=P, packed=packed)` up to GEMM
         rounding, each per-token op run once on both parts' tokens. A dense model's only (a
         MoE block routes [B, T] rows)."""
-        return self(input_ids, positions=positions, cache=cache, key_mask=key_mask,
-                    packed=packed, prompts=(prompt_ids, prompt_positions, prompt_mask))
+        hidden = self(input_ids, positions=positions, cache=cache, key_mask=key_mask,
+                      packed=packed, prompts=(prompt_ids, prompt_positions, prompt_mask))
+        # split here, outside forward: FSDP hooks a module's outputs, and views of them would
+        # lose the hook to any in-place op
+        G, P = prompt_ids.shape
+        return hidden[: G * P].view(G, P, -1), hidden[G * P :]
 
     def _shared_pass(self, prompt_ids, prompt_positions, prompt_mask, input_ids, positions,
-                     key_mask, packed, cache) -> tuple[Tensor, Tensor]:
+                     key_mask, packed, cache) -> Tensor:  # [G x P + n, hidden]
         if self.config.moe_layers:
             raise ValueError("a shared-prompt forward needs a dense model: a MoE layer routes "
                              "[B, T] rows; run the prompts, then the continuation")
@@ -321,7 +325,7 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self._layers(None)):
             x = layer(x, None, None, None, cache, i, 0, shared)
         x = body.norm(x)
-        return x[: G * P].view(G, P, -1), x[G * P :]
+        return x
 
     def logits(self, input_ids: Tensor, **kwargs) -> Tensor:  # [B, T, vocab]
         return self.lm_head(self(input_ids, **kwargs))

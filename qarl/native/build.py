@@ -110,14 +110,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "qarl_token_logp": [p, i32, i64, i64, i64, p, f32, p, p, p, i32],
         "qarl_token_logp_backward": [p, i32, i64, i64, i64, p, f32, p, p, p, i64, i32],
         "qarl_crc32": [p, i64, ctypes.c_uint32],
-        "qarl_crc32_folds": [],
         "qarl_count_changed_bytes": [p, p, i64, i32],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
-    for name in ("qarl_s8_isa", "qarl_s8_set_isa", "qarl_f32_isa", "qarl_f32_set_isa",
-                 "qarl_crc32_folds"):
+    for name in ("qarl_s8_isa", "qarl_s8_set_isa", "qarl_f32_isa", "qarl_f32_set_isa"):
         getattr(lib, name).restype = i32
     lib.qarl_crc32.restype = ctypes.c_uint32
     lib.qarl_count_changed_bytes.restype = ctypes.c_int64

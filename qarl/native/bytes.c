@@ -103,8 +103,6 @@ uint32_t qarl_crc32(const uint8_t* p, int64_t n, uint32_t crc) {
     return ~crc_bytes(c, p, n);
 }
 
-int qarl_crc32_folds(void) { return crc_clmul; }
-
 // ---------------------------------------------------------------------------------------
 // The number of positions i < n at which a[i] != b[i]: 32 bytes compared per instruction, the
 // equal ones counted from the compare's mask.

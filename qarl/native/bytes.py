@@ -24,11 +24,6 @@ def crc32(t: Tensor, crc: int = 0) -> int:
     return int(_lib().qarl_crc32(data.data_ptr(), data.numel(), crc & 0xFFFFFFFF))
 
 
-def crc32_folds() -> bool:
-    """Whether crc32 folds with PCLMULQDQ here (else it runs the tables: the same values)."""
-    return bool(_lib().qarl_crc32_folds())
-
-
 def count_changed_bytes(a: Tensor, b: Tensor) -> int:
     """The number of byte positions at which a and b (the same number of bytes) differ."""
     x, y = _bytes(a, "count_changed_bytes"), _bytes(b, "count_changed_bytes")

@@ -2,7 +2,7 @@
 bytes.c) once per machine and load them with ctypes.
 
 The shared library is built on first use with the system C compiler (no torch headers, so it
-is quick) into `$QARL_HOME/kernels/qarl_cpu-<hash>.so`, the hash covering the
+is quick; the sources compile in parallel, then link) into `$QARL_HOME/kernels/qarl_cpu-<hash>.so`, the hash covering the
 source, the flags and the compiler, and is loaded after torch so that its OpenMP calls use the
 libgomp torch already loaded (one thread pool, not two spinning against each other). Nothing
 is compiled at install time, so `pip install` needs no compiler; without one, or on a CPU
@@ -57,24 +57,49 @@ def _build(cc: str) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # compile beside the target, then rename: concurrent builders never see half a file
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-lm", "-o", tmp],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{cc} failed to build {[src.name for src in SOURCES]}:\n"
-                               f"{done.stderr[-2000:]}")
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        tmp = Path(work) / target.name
+        _compile(cc, Path(work), tmp)
         os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     # builds of other sources (older qarl versions) are never loaded again by this one: drop
     # them (a process that has one loaded keeps its mapping)
     for stale in target.parent.glob("qarl_cpu-*.so"):
         if stale != target:
             stale.unlink(missing_ok=True)
     return target
+
+
+def _compile(cc: str, work: Path, out: Path) -> None:
+    """Each source into an object file in `work`, as many compilers at a time as this process
+    may use cores (the first build is a user's first run's wait), then one link into `out`."""
+    flags = [f for f in FLAGS if f != "-shared"]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    jobs = max(1, min(len(SOURCES), cores or 1))
+    objects = [work / f"{src.stem}.o" for src in SOURCES]
+    running: list[tuple[Path, subprocess.Popen]] = []
+    failed: list[tuple[str, str]] = []
+
+    def finish(src: Path, proc: subprocess.Popen) -> None:
+        _, err = proc.communicate()
+        if proc.returncode != 0:
+            failed.append((src.name, err))
+
+    for src, obj in zip(SOURCES, objects):
+        if len(running) == jobs:
+            finish(*running.pop(0))
+        running.append((src, subprocess.Popen([cc, *flags, "-c", str(src), "-o", str(obj)],
+                                              stderr=subprocess.PIPE, text=True)))
+    for src, proc in running:
+        finish(src, proc)
+    if not failed:
+        done = subprocess.run([cc, *FLAGS, *map(str, objects), "-lm", "-o", str(out)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            failed.append(("the link", done.stderr))
+    if failed:
+        what, err = failed[0]
+        raise RuntimeError(f"{cc} failed to build {[src.name for src in SOURCES]} ({what}):\n"
+                           f"{err[-2000:]}")
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:

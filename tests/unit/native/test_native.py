@@ -284,6 +284,30 @@ def test_built_once_per_source_into_qarl_home(tmp_path):
     assert len(built) == 1 and built[0].name.startswith("qarl_cpu-") and built[0].suffix == ".so"
 
 
+def test_a_source_that_fails_to_compile_is_named_and_leaves_nothing(tmp_path):
+    """A compiler that fails on one source: the kernels are unavailable, the reason names the
+    file and the compiler's message, and the kernels folder holds no half-built library or
+    object files (the sources compile as separate jobs, then link)."""
+    cc = tmp_path / "cc"
+    cc.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then echo "fake-cc 1"; exit 0; fi\n'
+        'for a in "$@"; do case "$a" in *decode.c) echo "decode.c:1: error: boom" >&2; exit 1;; esac; done\n'
+        'while [ $# -gt 0 ]; do if [ "$1" = "-o" ]; then : > "$2"; fi; shift; done\n')
+    cc.chmod(0o755)
+    home = tmp_path / "home"
+    env = {**os.environ, "QARL_HOME": str(home), "CC": str(cc)}
+    env.pop("QARL_NATIVE", None)
+    code = "from qarl import native; print(native.available()); print(native.why_unavailable())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    lines = out.stdout.splitlines()
+    assert lines[0] == "False"
+    assert "building the kernels failed" in lines[1] and "(decode.c)" in out.stdout
+    assert "boom" in out.stdout
+    assert list((home / "kernels").iterdir()) == []
+
+
 def test_dynamic_int8_quantizer_equals_numerics():
     """The quantizer inside linear_s8_dynamic gives numerics.int8_rows' codes and scales bit for
     bit (the STE backward and fake mode use the torch one), including all-zero rows, exact .5

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch  # noqa: F401  (loaded first: its libgomp is the one kernels.c links against)
 
 from qarl.native.isa import cpu_flags
+from qarl.paths import cache_lock, qarl_home
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("kernels.c", "kernels_s8.c", "attention.c", "decode.c", "logprobs.c",
@@ -41,8 +42,6 @@ def _compiler() -> str | None:
 
 
 def _cache_dir() -> Path:
-    from qarl.paths import qarl_home
-
     return qarl_home() / "kernels"
 
 
@@ -55,12 +54,16 @@ def _build(cc: str) -> Path:
     target = _cache_dir() / f"qarl_cpu-{digest}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # compile beside the target, then rename: concurrent builders never see half a file
-    with tempfile.TemporaryDirectory(dir=target.parent) as work:
-        tmp = Path(work) / target.name
-        _compile(cc, Path(work), tmp)
-        os.replace(tmp, target)
+    # one builder at a time per QARL_HOME: processes started together on a fresh machine
+    # (`qarl compare`'s runs, two first runs) wait for the first one's build, not run their own
+    with cache_lock(target.parent / "build"):
+        if target.exists():
+            return target
+        # compile beside the target, then rename: a loader never sees half a file
+        with tempfile.TemporaryDirectory(dir=target.parent) as work:
+            tmp = Path(work) / target.name
+            _compile(cc, Path(work), tmp)
+            os.replace(tmp, target)
     # builds of other sources (older qarl versions) are never loaded again by this one: drop
     # them (a process that has one loaded keeps its mapping)
     for stale in target.parent.glob("qarl_cpu-*.so"):

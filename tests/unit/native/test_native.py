@@ -280,32 +280,64 @@ def test_built_once_per_source_into_qarl_home(tmp_path):
     for _ in range(2):
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == "True"
-    built = list((tmp_path / "kernels").iterdir())
-    assert len(built) == 1 and built[0].name.startswith("qarl_cpu-") and built[0].suffix == ".so"
+    built = sorted(p.name for p in (tmp_path / "kernels").iterdir())
+    assert len(built) == 2 and built[0] == ".build.lock", built
+    assert built[1].startswith("qarl_cpu-") and built[1].endswith(".so")
+
+
+def _fake_compiler(tmp_path, fail_on: str = "", log=None, pause_s: float = 0.0):
+    """A stand-in for gcc: answers --version, fails on the source named `fail_on`, else
+    writes an empty output file; `log`: appends each call's arguments; pause_s: per call."""
+    cc = tmp_path / "cc"
+    cc.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then echo "fake-cc 1"; exit 0; fi\n'
+        + (f'echo "$*" >> "{log}"\n' if log else "")
+        + (f"sleep {pause_s}\n" if pause_s else "")
+        + (f'for a in "$@"; do case "$a" in *{fail_on}) echo "{fail_on}:1: error: boom" >&2; '
+           "exit 1;; esac; done\n" if fail_on else "")
+        + 'while [ $# -gt 0 ]; do if [ "$1" = "-o" ]; then : > "$2"; fi; shift; done\n')
+    cc.chmod(0o755)
+    return cc
+
+
+_LOAD = "from qarl import native; print(native.available()); print(native.why_unavailable())"
+
+
+def _load_with(cc, home) -> subprocess.Popen:
+    env = {**os.environ, "QARL_HOME": str(home), "CC": str(cc)}
+    env.pop("QARL_NATIVE", None)
+    return subprocess.Popen([sys.executable, "-c", _LOAD], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def test_a_source_that_fails_to_compile_is_named_and_leaves_nothing(tmp_path):
     """A compiler that fails on one source: the kernels are unavailable, the reason names the
     file and the compiler's message, and the kernels folder holds no half-built library or
     object files (the sources compile as separate jobs, then link)."""
-    cc = tmp_path / "cc"
-    cc.write_text(
-        "#!/bin/sh\n"
-        'if [ "$1" = "--version" ]; then echo "fake-cc 1"; exit 0; fi\n'
-        'for a in "$@"; do case "$a" in *decode.c) echo "decode.c:1: error: boom" >&2; exit 1;; esac; done\n'
-        'while [ $# -gt 0 ]; do if [ "$1" = "-o" ]; then : > "$2"; fi; shift; done\n')
-    cc.chmod(0o755)
     home = tmp_path / "home"
-    env = {**os.environ, "QARL_HOME": str(home), "CC": str(cc)}
-    env.pop("QARL_NATIVE", None)
-    code = "from qarl import native; print(native.available()); print(native.why_unavailable())"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True)
-    lines = out.stdout.splitlines()
-    assert lines[0] == "False"
-    assert "building the kernels failed" in lines[1] and "(decode.c)" in out.stdout
-    assert "boom" in out.stdout
-    assert list((home / "kernels").iterdir()) == []
+    out, err = _load_with(_fake_compiler(tmp_path, fail_on="decode.c"), home).communicate()
+    lines = out.splitlines()
+    assert lines[0] == "False", err
+    assert "building the kernels failed" in lines[1] and "(decode.c)" in out
+    assert "boom" in out
+    assert [p.name for p in (home / "kernels").iterdir()] == [".build.lock"]
+
+
+def test_processes_started_together_build_the_kernels_once(tmp_path):
+    """Two processes loading the kernels at once on an empty QARL_HOME: one compiles each
+    source, the other waits for its library (the fake compiler's output is no library, so
+    both then report that loading failed)."""
+    log = tmp_path / "calls.txt"
+    cc = _fake_compiler(tmp_path, log=log, pause_s=0.5)
+    runs = [_load_with(cc, tmp_path / "home") for _ in range(2)]
+    for run in runs:
+        out, err = run.communicate(timeout=120)
+        assert out.splitlines()[0] == "False", err
+    calls = log.read_text().splitlines()
+    assert sum(" -c " in c and c.split(" -c ")[1].startswith(str(nat.build.SOURCES[0]))
+               for c in calls) == 1, calls
+    assert len(calls) == len(nat.build.SOURCES) + 1  # each source once, one link
 
 
 def test_dynamic_int8_quantizer_equals_numerics():

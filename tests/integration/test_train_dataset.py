@@ -31,7 +31,7 @@ def test_bad_rows_and_failing_rewards_are_counted_and_the_run_finishes(tmp_path)
         "run.output_dir": str(tmp_path / "runs"), "log.progress": False, "log.plot": False,
         "task.name": None, "task.dataset": str(data), "task.reward": "flaky_reward:reward",
         "task.options": {"eval_fraction": 0.3, "max_prompt_len": 200},
-        "task.reward_timeout_s": 1.0, "task.eval_size": 8, "sft.steps": 0,
+        "task.reward_timeout_s": 0.3, "task.eval_size": 8, "sft.steps": 0,
         "train.steps": 2, "rollout.batch_size": 16, "rollout.group_size": 4,
         "train.micro_batch_size": 16,
         "eval.full_precision": False,

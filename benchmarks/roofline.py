@@ -19,7 +19,12 @@ unless `--eos` lets them end at their end token):
   positions; forward 2, backward 4 FLOPs per weight per row, plus one more forward of the
   layers under train.gradient_checkpointing and of the lm_head for every logits chunk but
   the last; attention 4 x heads x head_dim x context per row and layer, forward, 3x with
-  its backward.
+  its backward. And the optimizer steps' bytes (`optimizer_bytes`): per trainable parameter
+  AdamW reads the weight, its gradient and two moments and writes the weight and the moments
+  (Muon's momentum: one state; its Newton-Schulz products are not counted, so the floor stays
+  a lower bound), and a clip reads the gradient once more. The table splits the update's
+  measured seconds into the gradient pass and the optimizer steps (timed around
+  `qarl.train.learner.update.optimizer_step`), each beside its own floor.
 - old_logp: the replay of the replayed rows (`audit/replayed_frac`), decode-shaped like
   generation: its FLOPs, and the bytes of the learner's packed weights read once per decode
   step.
@@ -40,7 +45,7 @@ in the learner's precision, and those the gradient pass runs on the format's ker
 forward in kernel alignment, dL/dx with the backward on codes: `kernel_products`) at that
 kernel's speed at the same shapes: the cost the gradient pass cannot go under without
 changing its arithmetic; everything above it is overhead (Python, autograd, elementwise
-passes, copies).
+passes, copies). The optimizer steps' floor is their bytes at the memory bandwidth.
 
 `--results` writes the table into docs/results.md as the section of this machine's class
 (`roofline-avx2`, `roofline-avx512`, `roofline-amx`, `roofline-cuda`): one table per class,
@@ -196,6 +201,24 @@ def update_floor(work: dict, linears, config, dtype, checkpointing: bool,
     return flops + attn, seconds + attn / gemm_rate
 
 
+def optimizer_bytes(model: nn.Module, config) -> float:
+    """The bytes an update's optimizer steps move at the least (module docstring): per step,
+    each trainable parameter's weight, gradient and state read and weight and state written,
+    and its gradient read once more by a clip."""
+    from qarl.train.learner.optim import muon_parameter_names
+
+    muon = set(muon_parameter_names(model)) if config.train.optimizer == "muon" else set()
+    clip = 1 if config.train.grad_clip > 0 else 0
+    per_step = 0.0
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        states = 1 if name in muon else 2  # Muon's momentum; AdamW's two moments
+        # read weight, gradient and states; write weight and states; the clip's read
+        per_step += p.numel() * p.element_size() * (2 + states + 1 + states + clip)
+    return per_step * config.algo.epochs * config.train.mini_batches
+
+
 def decode_floor(scheme: str, linears, config, rows_per_step: list[int], weight_bytes: float,
                  bandwidth: float, context: float) -> tuple[float, float, float]:
     """(FLOPs, bytes, floor seconds) of decode steps with `rows_per_step` live rows each:
@@ -233,37 +256,62 @@ def prefill_floor(scheme: str, linears, config, rows: int) -> tuple[float, float
 
 def measure(recipe: str, overrides: dict, steps: int, ignore: bool) -> dict:
     from qarl.train.folder import open_run
+    from qarl.train.learner import update as update_module
     from qarl.train.learner.precision import Precision
     from qarl.train.sft import warm_start
-    from qarl.train.trainer import rl_step
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from step_time import ignore_eos
 
     out = tempfile.mkdtemp(prefix="qarl-roofline-")
     config = load_config(recipe, {"run.output_dir": out, "run.resume": False,
                                   "log.progress": False, "eval.size": 8, "run.name": "roofline",
                                   **overrides})
-    rows = []
-    with open_run(config, learner=warm_start(config)) as (_, policy, data):
-        if ignore:
-            ignore_eos("roofline", policy)
-        policy.sync.push()
-        seen = {}
-        update = policy.learner.update
+    # the optimizer steps' seconds, within each update (update_policy calls it by this name)
+    stepping, optimizer_seconds = update_module.optimizer_step, [0.0]
 
-        def recorded(exp, *args, **kwargs):
-            seen["batch"] = exp.batch
-            return update(exp, *args, **kwargs)
+    def timed_step(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return stepping(*args, **kwargs)
+        finally:
+            optimizer_seconds[0] += time.perf_counter() - start
 
-        policy.learner.update = recorded
-        for step in range(steps):
-            metrics = rl_step(policy, data, config, step)
-            if step > 0:
-                rows.append((metrics, seen["batch"]))
-        model = policy.learner.model
-        precision = Precision.of(config.train, config.quant)
+    update_module.optimizer_step = timed_step
+    try:
+        with open_run(config, learner=warm_start(config)) as (_, policy, data):
+            rows = run_steps(policy, data, config, steps, ignore, optimizer_seconds)
+            model = policy.learner.model
+            precision = Precision.of(config.train, config.quant)
+    finally:
+        update_module.optimizer_step = stepping
     return reckon(config, model, precision, rows)
+
+
+def run_steps(policy, data, config, steps: int, ignore: bool,
+              optimizer_seconds: list[float]) -> list[tuple[dict, object]]:
+    """`steps` RL steps: after the first, each one's (metrics, with its optimizer steps'
+    seconds as `time/optimizer`; the update's batch)."""
+    from qarl.train.trainer import rl_step
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from step_time import ignore_eos
+
+    if ignore:
+        ignore_eos("roofline", policy)
+    policy.sync.push()
+    seen = {}
+    update = policy.learner.update
+
+    def recorded(exp, *args, **kwargs):
+        seen["batch"] = exp.batch
+        return update(exp, *args, **kwargs)
+
+    policy.learner.update = recorded
+    rows = []
+    for step in range(steps):
+        optimizer_seconds[0] = 0.0
+        metrics = rl_step(policy, data, config, step)
+        if step > 0:
+            rows.append(({**metrics, "time/optimizer": optimizer_seconds[0]}, seen["batch"]))
+    return rows
 
 
 def kernel_products(config, precision, device: torch.device = torch.device("cpu")
@@ -302,9 +350,18 @@ def reckon(config, model, precision, rows) -> dict:
     flops, floor = update_floor(w, linears, mc, precision.compute,
                                 config.train.gradient_checkpointing, int8, scheme)
     on_kernel = f"; {scheme} kernel: {' and '.join(int8)}" if int8 else ""
-    figures["update"] = {"work": f"{flops / 1e9:.0f} GFLOP", "rate": f"{flops / floor / 1e9:.0f} "
-                         f"GFLOP/s ({str(precision.compute).removeprefix('torch.')} GEMM"
-                         f"{on_kernel})", "floor": floor}
+    o_bytes = optimizer_bytes(model, config)
+    o_floor = o_bytes / (bandwidth * 1e9)
+    gemm = (f"{flops / floor / 1e9:.0f} GFLOP/s ({str(precision.compute).removeprefix('torch.')}"
+            f" GEMM{on_kernel})")
+    figures["update"] = {"work": f"{flops / 1e9:.0f} GFLOP, {o_bytes / 1e9:.1f} GB",
+                         "rate": f"{gemm}; {bandwidth:.0f} GB/s", "floor": floor + o_floor}
+    optimizer = mean("time/optimizer")
+    parts = {"gradient pass": {"work": f"{flops / 1e9:.0f} GFLOP", "rate": gemm,
+                               "floor": floor, "measured": measured["update"] - optimizer},
+             "optimizer steps": {"work": f"{o_bytes / 1e9:.1f} GB",
+                                 "rate": f"{bandwidth:.0f} GB/s", "floor": o_floor,
+                                 "measured": optimizer}}
 
     # generate: prefill + decode steps
     _, batch = rows[-1]
@@ -346,13 +403,15 @@ def reckon(config, model, precision, rows) -> dict:
                        "floor": s_bytes / (bandwidth * 1e9)}
 
     for phase, f in figures.items():
-        f["measured"] = round(measured[phase], 3)
-        f["floor"] = round(f["floor"], 3)
+        f["measured"] = measured[phase]
+    for f in [*figures.values(), *parts.values()]:
+        f["measured"] = round(f["measured"], 3)
+        f["floor"] = round(f["floor"], 4)  # a tiny model's sync: well under 1 ms
         f["x_floor"] = round(f["measured"] / f["floor"], 1) if f["floor"] > 0 else None
     step = mean("time/generate") + mean("time/reward") + mean("time/old_logp") + \
         mean("time/ref_logp") + mean("time/update") + mean("time/sync")
     floor = sum(f["floor"] for f in figures.values())
-    return {"phases": figures, "step": {"measured": round(step, 3), "floor": round(floor, 3),
+    return {"phases": figures, "update_parts": parts, "step": {"measured": round(step, 3), "floor": round(floor, 3),
                                         "x_floor": round(step / floor, 1)},
             "update_work": {k: round(v) for k, v in w.items()},
             "bandwidth_gbs": round(bandwidth, 1), "recipe_scheme": scheme,
@@ -381,8 +440,10 @@ def write_results(result: dict, label: str, overrides: list[str]) -> None:
 
     lines = ["| phase | work | rate here | floor (s) | measured (s) | x floor |",
              "|---|---|---|---|---|---|"]
-    for phase in PHASES:
-        f = result["phases"][phase]
+    rows = [(p, result["phases"][p]) for p in PHASES]
+    at = PHASES.index("update") + 1
+    rows[at:at] = [(f"update: {part}", f) for part, f in result["update_parts"].items()]
+    for phase, f in rows:
         x = "-" if f["x_floor"] is None else f"{f['x_floor']:.1f}x"
         lines.append(f"| {phase} | {f['work']} | {f['rate']} | {f['floor']:.2f} | "
                      f"{f['measured']:.2f} | {x} |")
@@ -395,7 +456,8 @@ def write_results(result: dict, label: str, overrides: list[str]) -> None:
              "products in the learner's GEMM and precision, those it runs on the format's "
              "kernel, named in its rate, at that kernel's speed; generation and the replay by the "
              "format's kernel and the memory bandwidth, each decode step the larger of the "
-             "two); x floor: measured / floor. How the work is counted: the docstring of "
+             "two; the optimizer steps' bytes at the bandwidth); the update's two parts: its "
+             "gradient pass and its optimizer steps, timed within it; x floor: measured / floor. How the work is counted: the docstring of "
              "benchmarks/roofline.py.")
     key = class_key()
     title = "Roofline of an RL step (" + key.removeprefix("roofline-").upper()

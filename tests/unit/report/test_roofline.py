@@ -48,6 +48,41 @@ def test_a_tiny_run_gives_every_phase_a_floor():
         if phase != "old_logp" or figures["work"] != "no rows replayed":
             assert figures["floor"] > 0 and figures["x_floor"] > 0, phase
     assert result["update_work"]["block_rows"] > result["update_work"]["head_rows"] > 0
+    parts = result["update_parts"]
+    assert parts["optimizer steps"]["measured"] > 0 and parts["optimizer steps"]["floor"] > 0
+    assert parts["gradient pass"]["measured"] + parts["optimizer steps"]["measured"] == \
+        pytest.approx(result["phases"]["update"]["measured"], abs=2e-3)
+
+
+def _named(**shapes) -> torch.nn.Module:
+    """A module whose parameters have the given dotted names and shapes."""
+    module = torch.nn.Module()
+    for name, shape in shapes.items():
+        *path, leaf = name.split("__")
+        at = module
+        for part in path:
+            if not hasattr(at, part):
+                at.add_module(part, torch.nn.Module())
+            at = getattr(at, part)
+        at.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape)))
+    return module
+
+
+@pytest.mark.parametrize("optimizer, clip, epochs, want_per_matrix, want_per_rest", [
+    ("adamw", 1.0, 1, 32, 32),  # read w, g, m, v; write w, m, v; the clip reads g: 8 x 4 B
+    ("adamw", 0.0, 1, 28, 28),
+    ("adamw", 1.0, 2, 64, 64),  # one optimizer step per epoch
+    ("muon", 1.0, 1, 24, 32),  # Muon's one momentum on the hidden matrices, AdamW elsewhere
+])
+def test_optimizer_bytes_count_each_trainable_parameters_reads_and_writes(
+        optimizer, clip, epochs, want_per_matrix, want_per_rest):
+    model = _named(layers__0__proj__weight=(3, 4), norm__weight=(4,), head__weight=(5, 4))
+    frozen = _named(layers__0__proj__weight=(3, 4))
+    frozen.requires_grad_(False)
+    config = load_config("tiny", {"train.optimizer": optimizer, "train.grad_clip": clip,
+                                  "algo.epochs": epochs})
+    assert roofline.optimizer_bytes(model, config) == 12 * want_per_matrix + 24 * want_per_rest
+    assert roofline.optimizer_bytes(frozen, config) == 0  # frozen weights move nothing
 
 
 @pytest.mark.parametrize("overrides, backward, want", [

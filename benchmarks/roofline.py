@@ -25,8 +25,9 @@ unless `--eos` lets them end at their end token):
   a lower bound), and a clip reads the gradient once more. The table splits the update's
   measured seconds into the gradient pass and the optimizer steps (timed around
   `qarl.train.learner.update.optimizer_step`), each beside its own floor.
-- old_logp: the replay of the replayed rows (`audit/replayed_frac`), decode-shaped like
-  generation: its FLOPs, and the bytes of the learner's packed weights read once per decode
+- old_logp: the replay of the rows the step replayed (the batches `Learner.replay` was
+  given), decode-shaped like generation: the prefill of their distinct prompts and their
+  decode steps' FLOPs, and the bytes of the learner's packed weights read once per decode
   step.
 - generate: prefill FLOPs (each distinct prompt once, the engine shares them) and every
   decode step's FLOPs over its live rows, and the bytes each decode step streams: the
@@ -37,8 +38,10 @@ unless `--eos` lets them end at their end token):
 Rates, measured here at those shapes: the learner's GEMM (`qarl.quant.kernels.learner_mm` in
 the gradient pass's dtype) timed on each decoder linear's forward, input-gradient and
 weight-gradient products at the update's mean rows per micro-batch, and on the lm_head's;
-the engine's kernel (`Scheme.linear` of the recipe's format) at prefill and at decode rows;
-memory bandwidth as a streaming read of a buffer far larger than the caches. A phase's floor
+the engine's kernel (`Scheme.linear` of the recipe's format; the lm_head, and every layer of
+a full-precision engine, as its decode plan packs a plain fp32 linear) at prefill and at decode
+rows, the decoder's linears of one input size stacked into one weight so the timing is the
+kernel's rate, not one Python call per layer (`engine_linears_seconds`); memory bandwidth as a streaming read of a buffer far larger than the caches. A phase's floor
 is its work at those rates (for a decode step, the larger of its FLOPs and its bytes over the
 rates: the roofline); `x floor` is measured / floor. The update's floor counts its products
 in the learner's precision, and those the gradient pass runs on the format's kernel (the
@@ -112,16 +115,41 @@ def learner_gemm_seconds(rows: int, k: int, n: int, dtype: torch.dtype) -> dict[
 
 
 def engine_gemm_seconds(scheme_name: str, rows: int, k: int, n: int) -> float:
-    """Seconds of the engine's kernel of `scheme_name` on [rows, k] x [k -> n]."""
+    """Seconds of the engine's kernel of `scheme_name` on [rows, k] x [k -> n]; a full-precision
+    one (and the lm_head) as the decode plan runs a plain fp32 linear: packed once
+    (`qarl.rollout.prepack`: qarl.native's panels, else oneDNN's blocked weight)."""
     from qarl.quant import SCHEMES
 
     scheme = SCHEMES[scheme_name]
     x = torch.randn(rows, k)
     if scheme.is_identity:
-        w = torch.randn(n, k)
-        return best_seconds(lambda: torch.nn.functional.linear(x, w))
+        from qarl.rollout.fused import linear
+        from qarl.rollout.prepack import linear_source
+
+        _, build = linear_source(nn.Linear(k, n, bias=False), rows)
+        packed = build()
+        return best_seconds(lambda: linear(x, packed, None))
     qw = scheme.quantize(torch.randn(n, k) * 0.02)
     return best_seconds(lambda: scheme.linear(x, qw, None))
+
+
+STACK_BYTES = 64 * 2**20  # the fp32 size of the largest stacked weight engine_linears_seconds times
+
+
+def engine_linears_seconds(scheme_name: str, rows: int, linears) -> float:
+    """Seconds of the engine's kernel over all the decoder's linears at `rows` rows: for each
+    input size, the output rows of every linear that takes it stacked into one weight (a MoE
+    expert's by its share of the rows), timed up to STACK_BYTES and scaled to the whole. The
+    kernel's rate at those rows, without one call per layer: a decode step runs each block's
+    projections stacked, or the whole block in one native call (`qarl.rollout.fused`)."""
+    outputs: dict[int, float] = {}
+    for k, n, share in linears:
+        outputs[k] = outputs.get(k, 0.0) + n * share
+    seconds = 0.0
+    for k, total in outputs.items():
+        n = max(16, min(round(total), STACK_BYTES // (4 * k)))
+        seconds += engine_gemm_seconds(scheme_name, rows, k, n) * total / n
+    return seconds
 
 
 # ---- the work --------------------------------------------------------------------------------
@@ -232,9 +260,8 @@ def decode_floor(scheme: str, linears, config, rows_per_step: list[int], weight_
     steps = max(1, len(rows_per_step))
     for live in rows_per_step:
         if live not in speed:
-            speed[live] = sum(engine_gemm_seconds(scheme, live, k, n) * max(1.0, share)
-                              for k, n, share in linears)
-            speed[live] += engine_gemm_seconds("none", live, H, V)
+            speed[live] = engine_linears_seconds(scheme, live, linears) + \
+                engine_gemm_seconds("none", live, H, V)
         step_flops = 2 * live * (sum(k * n * s for k, n, s in linears) + H * V)
         step_bytes = weight_bytes + kv_bytes_per_row_token * context / steps
         flops, nbytes = flops + step_flops, nbytes + step_bytes
@@ -242,13 +269,29 @@ def decode_floor(scheme: str, linears, config, rows_per_step: list[int], weight_
     return flops, nbytes, seconds
 
 
+def engine_pass_floor(scheme: str, linears, config, batch, weight_bytes: float,
+                      bandwidth: float) -> tuple[float, float, int, float]:
+    """(FLOPs, bytes, decode steps, floor seconds) of the engine generating or replaying
+    `batch`: the prefill of its distinct prompts (the engine shares them) and a decode step
+    per response position over the rows still live there."""
+    P = batch.prompt_ids.shape[1]
+    prompts = torch.unique(batch.prompt_ids, dim=0).shape[0]
+    lengths = batch.response_mask.sum(1)
+    live = [int((lengths > t).sum()) for t in range(int(lengths.max()))]
+    context = float((lengths * (P + lengths / 2)).sum())
+    pf_flops, pf_floor = prefill_floor(scheme, linears, config, prompts * P)
+    d_flops, d_bytes, d_floor = decode_floor(scheme, linears, config, live, weight_bytes,
+                                             bandwidth, context)
+    return pf_flops + d_flops, d_bytes, len(live), pf_floor + d_floor
+
+
 def prefill_floor(scheme: str, linears, config, rows: int) -> tuple[float, float]:
     """(FLOPs, floor seconds) of a prefill of `rows` prompt positions (the head at the last
     position of each prompt is left out: one row per prompt)."""
     if rows == 0:
         return 0.0, 0.0
-    t = sum(engine_gemm_seconds(scheme, rows, k, n) * max(1.0, s) for k, n, s in linears)
-    return 2 * rows * sum(k * n * s for k, n, s in linears), t
+    return 2 * rows * sum(k * n * s for k, n, s in linears), \
+        engine_linears_seconds(scheme, rows, linears)
 
 
 # ---- one run ---------------------------------------------------------------------------------
@@ -286,9 +329,9 @@ def measure(recipe: str, overrides: dict, steps: int, ignore: bool) -> dict:
 
 
 def run_steps(policy, data, config, steps: int, ignore: bool,
-              optimizer_seconds: list[float]) -> list[tuple[dict, object]]:
+              optimizer_seconds: list[float]) -> list[tuple[dict, object, list]]:
     """`steps` RL steps: after the first, each one's (metrics, with its optimizer steps'
-    seconds as `time/optimizer`; the update's batch)."""
+    seconds as `time/optimizer`; the update's batch; the batches its old_logp replayed)."""
     from qarl.train.trainer import rl_step
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -297,20 +340,25 @@ def run_steps(policy, data, config, steps: int, ignore: bool,
     if ignore:
         ignore_eos("roofline", policy)
     policy.sync.push()
-    seen = {}
-    update = policy.learner.update
+    seen: dict = {}
+    update, replay = policy.learner.update, policy.learner.replay
 
     def recorded(exp, *args, **kwargs):
         seen["batch"] = exp.batch
         return update(exp, *args, **kwargs)
 
-    policy.learner.update = recorded
+    def recorded_replay(batch, *args, **kwargs):
+        seen["replayed"].append(batch)
+        return replay(batch, *args, **kwargs)
+
+    policy.learner.update, policy.learner.replay = recorded, recorded_replay
     rows = []
     for step in range(steps):
-        optimizer_seconds[0] = 0.0
+        optimizer_seconds[0], seen["replayed"] = 0.0, []
         metrics = rl_step(policy, data, config, step)
         if step > 0:
-            rows.append(({**metrics, "time/optimizer": optimizer_seconds[0]}, seen["batch"]))
+            rows.append(({**metrics, "time/optimizer": optimizer_seconds[0]}, seen["batch"],
+                         seen["replayed"]))
     return rows
 
 
@@ -336,7 +384,7 @@ def reckon(config, model, precision, rows) -> dict:
     """The table's figures from the measured steps (module docstring)."""
     linears = block_linears(model)
     mc = model.config
-    mean = lambda key: sum(m.get(key, 0.0) for m, _ in rows) / len(rows)  # noqa: E731
+    mean = lambda key: sum(m.get(key, 0.0) for m, *_ in rows) / len(rows)  # noqa: E731
     measured = {p: mean(f"time/{p}") for p in PHASES}
     weight_bytes = mean("sync/full_megabytes") * 2**20  # what a decode step reads
     bandwidth = bandwidth_gbs()
@@ -344,7 +392,7 @@ def reckon(config, model, precision, rows) -> dict:
     figures: dict[str, dict] = {}
 
     # update
-    work = [update_work(b, config, config.train, config.algo) for _, b in rows]
+    work = [update_work(b, config, config.train, config.algo) for _, b, _ in rows]
     w = {k: sum(x[k] for x in work) / len(work) for k in work[0]}
     int8 = kernel_products(config, precision, next(model.parameters()).device)
     flops, floor = update_floor(w, linears, mc, precision.compute,
@@ -363,36 +411,24 @@ def reckon(config, model, precision, rows) -> dict:
                                  "rate": f"{bandwidth:.0f} GB/s", "floor": o_floor,
                                  "measured": optimizer}}
 
-    # generate: prefill + decode steps
-    _, batch = rows[-1]
-    P = batch.prompt_ids.shape[1]
-    prompts = torch.unique(batch.prompt_ids, dim=0).shape[0]
-    lengths = batch.response_mask.sum(1)
-    live = [int((lengths > t).sum()) for t in range(int(lengths.max()))]
-    context = float((lengths * (P + lengths / 2)).sum())
-    pf_flops, pf_floor = prefill_floor(scheme, linears, mc, prompts * P)
-    d_flops, d_bytes, d_floor = decode_floor(scheme, linears, mc, live, weight_bytes, bandwidth,
-                                             context)
-    figures["generate"] = {"work": f"{(pf_flops + d_flops) / 1e9:.0f} GFLOP, "
-                           f"{d_bytes / 1e9:.1f} GB over {len(live)} decode steps",
-                           "rate": f"{bandwidth:.0f} GB/s; {scheme} kernel",
-                           "floor": pf_floor + d_floor}
+    # generate: prefill + decode steps (the last step's batch)
+    _, batch, replays = rows[-1]
+    flops_, bytes_, steps_, floor_ = engine_pass_floor(scheme, linears, mc, batch, weight_bytes,
+                                                      bandwidth)
+    figures["generate"] = {"work": f"{flops_ / 1e9:.0f} GFLOP, {bytes_ / 1e9:.1f} GB over "
+                           f"{steps_} decode steps", "rate": f"{bandwidth:.0f} GB/s; {scheme} "
+                           "kernel", "floor": floor_}
 
-    # old_logp: the replayed rows, decode-shaped
-    replayed = mean("audit/replayed_frac") if any("audit/replayed_frac" in m for m, _ in rows) \
-        else 1.0
-    r_rows = max(1, round(replayed * batch.num_sequences)) if replayed > 0 else 0
-    if r_rows:
-        r_live = [min(r_rows, n) for n in live]
-        r_flops, r_bytes, r_floor = decode_floor(scheme, linears, mc, r_live, weight_bytes,
-                                                 bandwidth, context * r_rows / len(lengths))
-        # the fewest prompts those rows can hold (a floor is a lower bound)
-        shared = math.ceil(r_rows * prompts / batch.num_sequences)
-        pr_flops, pr_floor = prefill_floor(scheme, linears, mc, shared * P)
-        figures["old_logp"] = {"work": f"{r_rows} rows replayed: {(r_flops + pr_flops) / 1e9:.0f}"
-                               f" GFLOP, {r_bytes / 1e9:.1f} GB",
+    # old_logp: the same step's replays, decode-shaped
+    if replays:
+        passes = [engine_pass_floor(scheme, linears, mc, b, weight_bytes, bandwidth)
+                  for b in replays]
+        r_rows = sum(b.num_sequences for b in replays)
+        figures["old_logp"] = {"work": f"{r_rows} rows replayed: "
+                               f"{sum(p[0] for p in passes) / 1e9:.0f} GFLOP, "
+                               f"{sum(p[1] for p in passes) / 1e9:.1f} GB",
                                "rate": f"{bandwidth:.0f} GB/s; {scheme} kernel",
-                               "floor": r_floor + pr_floor}
+                               "floor": sum(p[3] for p in passes)}
     else:
         figures["old_logp"] = {"work": "no rows replayed", "rate": "-", "floor": 0.0}
 

@@ -39,10 +39,11 @@ Rates, measured here at those shapes: the learner's GEMM (`qarl.quant.kernels.le
 the gradient pass's dtype) timed on each decoder linear's forward, input-gradient and
 weight-gradient products at the update's mean rows per micro-batch, and on the lm_head's;
 the engine's kernel (`Scheme.linear` of the recipe's format; the lm_head, and every layer of
-a full-precision engine, as its decode plan packs a plain fp32 linear) at prefill and at decode
-rows, the decoder's linears of one input size stacked into one weight so the timing is the
-kernel's rate, not one Python call per layer (`engine_linears_seconds`); memory bandwidth as a streaming read of a buffer far larger than the caches. A phase's floor
-is its work at those rates (for a decode step, the larger of its FLOPs and its bytes over the
+a full-precision engine, as its decode plan packs a plain fp32 linear) at prefill and at
+decode rows, the decoder's linears of one input size stacked into one weight so the timing is
+the kernel's rate, not one Python call per layer (`engine_linears_seconds`); memory
+bandwidth as a streaming read of a buffer far larger than the caches. A phase's floor is its
+work at those rates (for a decode step, the larger of its FLOPs and its bytes over the
 rates: the roofline); `x floor` is measured / floor. The update's floor counts its products
 in the learner's precision, and those the gradient pass runs on the format's kernel (the
 forward in kernel alignment, dL/dx with the backward on codes: `kernel_products`) at that
@@ -413,11 +414,11 @@ def reckon(config, model, precision, rows) -> dict:
 
     # generate: prefill + decode steps (the last step's batch)
     _, batch, replays = rows[-1]
-    flops_, bytes_, steps_, floor_ = engine_pass_floor(scheme, linears, mc, batch, weight_bytes,
-                                                      bandwidth)
-    figures["generate"] = {"work": f"{flops_ / 1e9:.0f} GFLOP, {bytes_ / 1e9:.1f} GB over "
-                           f"{steps_} decode steps", "rate": f"{bandwidth:.0f} GB/s; {scheme} "
-                           "kernel", "floor": floor_}
+    g_flops, g_bytes, g_steps, g_floor = engine_pass_floor(scheme, linears, mc, batch,
+                                                           weight_bytes, bandwidth)
+    figures["generate"] = {"work": f"{g_flops / 1e9:.0f} GFLOP, {g_bytes / 1e9:.1f} GB over "
+                           f"{g_steps} decode steps", "rate": f"{bandwidth:.0f} GB/s; {scheme} "
+                           "kernel", "floor": g_floor}
 
     # old_logp: the same step's replays, decode-shaped
     if replays:
@@ -447,8 +448,9 @@ def reckon(config, model, precision, rows) -> dict:
     step = mean("time/generate") + mean("time/reward") + mean("time/old_logp") + \
         mean("time/ref_logp") + mean("time/update") + mean("time/sync")
     floor = sum(f["floor"] for f in figures.values())
-    return {"phases": figures, "update_parts": parts, "step": {"measured": round(step, 3), "floor": round(floor, 3),
-                                        "x_floor": round(step / floor, 1)},
+    return {"phases": figures, "update_parts": parts,
+            "step": {"measured": round(step, 3), "floor": round(floor, 3),
+                     "x_floor": round(step / floor, 1)},
             "update_work": {k: round(v) for k, v in w.items()},
             "bandwidth_gbs": round(bandwidth, 1), "recipe_scheme": scheme,
             "compute": str(precision.compute), "steps_measured": len(rows)}
@@ -493,8 +495,8 @@ def write_results(result: dict, label: str, overrides: list[str]) -> None:
              "kernel, named in its rate, at that kernel's speed; generation and the replay by the "
              "format's kernel and the memory bandwidth, each decode step the larger of the "
              "two; the optimizer steps' bytes at the bandwidth); the update's two parts: its "
-             "gradient pass and its optimizer steps, timed within it; x floor: measured / floor. How the work is counted: the docstring of "
-             "benchmarks/roofline.py.")
+             "gradient pass and its optimizer steps, timed within it; x floor: measured / "
+             "floor. How the work is counted: the docstring of benchmarks/roofline.py.")
     key = class_key()
     title = "Roofline of an RL step (" + key.removeprefix("roofline-").upper()
     if overrides:

@@ -2,10 +2,11 @@
 bytes.c) once per machine and load them with ctypes.
 
 The shared library is built on first use with the system C compiler (no torch headers, so it
-is quick; the sources compile in parallel, then link) into `$QARL_HOME/kernels/qarl_cpu-<hash>.so`, the hash covering the
-source, the flags and the compiler, and is loaded after torch so that its OpenMP calls use the
-libgomp torch already loaded (one thread pool, not two spinning against each other). Nothing
-is compiled at install time, so `pip install` needs no compiler; without one, or on a CPU
+is quick; the sources compile in parallel, then link) into
+`$QARL_HOME/kernels/qarl_cpu-<hash>.so`, the hash covering the source, the flags and the
+compiler, and is loaded after torch so that its OpenMP calls use the libgomp torch already
+loaded (one thread pool, not two spinning against each other). Nothing is compiled at
+install time, so `pip install` needs no compiler; without one, or on a CPU
 without AVX2/FMA, `load()` returns None and says why in `why_unavailable()`, and qarl keeps
 its PyTorch kernels.
 """

@@ -416,9 +416,13 @@ def reckon(config, model, precision, rows) -> dict:
     _, batch, replays = rows[-1]
     g_flops, g_bytes, g_steps, g_floor = engine_pass_floor(scheme, linears, mc, batch,
                                                            weight_bytes, bandwidth)
+    from qarl.quant import SCHEMES
+
+    # what decodes: the format's kernel, or a full-precision engine's packed fp32 GEMM
+    kernel = "fp32 GEMM" if SCHEMES[scheme].is_identity else f"{scheme} kernel"
     figures["generate"] = {"work": f"{g_flops / 1e9:.0f} GFLOP, {g_bytes / 1e9:.1f} GB over "
-                           f"{g_steps} decode steps", "rate": f"{bandwidth:.0f} GB/s; {scheme} "
-                           "kernel", "floor": g_floor}
+                           f"{g_steps} decode steps", "rate": f"{bandwidth:.0f} GB/s; {kernel}",
+                           "floor": g_floor}
 
     # old_logp: the same step's replays, decode-shaped
     if replays:
@@ -428,7 +432,7 @@ def reckon(config, model, precision, rows) -> dict:
         figures["old_logp"] = {"work": f"{r_rows} rows replayed: "
                                f"{sum(p[0] for p in passes) / 1e9:.0f} GFLOP, "
                                f"{sum(p[1] for p in passes) / 1e9:.1f} GB",
-                               "rate": f"{bandwidth:.0f} GB/s; {scheme} kernel",
+                               "rate": f"{bandwidth:.0f} GB/s; {kernel}",
                                "floor": sum(p[3] for p in passes)}
     else:
         figures["old_logp"] = {"work": "no rows replayed", "rate": "-", "floor": 0.0}

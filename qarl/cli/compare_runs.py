@@ -26,6 +26,7 @@ from typing import IO
 
 from qarl.config import ArmPlan
 from qarl.config.toml_out import toml_value
+from qarl.native.isa import usable_cores
 
 POLL_S = 0.5  # how often running runs are checked and the progress bar updated
 
@@ -129,8 +130,7 @@ class WarmStartFailed(Exception):
 
 def thread_env(jobs: int) -> dict[str, str]:
     """The environment of a run when `jobs` run at once: the cores split evenly, at least 1."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = str(max(1, (cores or 1) // jobs))
+    threads = str(max(1, usable_cores() // jobs))
     return {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
 
 

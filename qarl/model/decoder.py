@@ -324,8 +324,7 @@ class CausalLM(nn.Module):
             packing=packing)
         for i, layer in enumerate(self._layers(None)):
             x = layer(x, None, None, None, cache, i, 0, shared)
-        x = body.norm(x)
-        return x
+        return body.norm(x)
 
     def logits(self, input_ids: Tensor, **kwargs) -> Tensor:  # [B, T, vocab]
         return self.lm_head(self(input_ids, **kwargs))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loaded first: its libgomp is the one kernels.c links against)
 
-from qarl.native.isa import cpu_flags
+from qarl.native.isa import cpu_flags, usable_cores
 from qarl.paths import cache_lock, qarl_home
 
 SOURCES = [Path(__file__).with_name(name)
@@ -77,8 +77,7 @@ def _compile(cc: str, work: Path, out: Path) -> None:
     """Each source into an object file in `work`, as many compilers at a time as this process
     may use cores (the first build is a user's first run's wait), then one link into `out`."""
     flags = [f for f in FLAGS if f != "-shared"]
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    jobs = max(1, min(len(SOURCES), cores or 1))
+    jobs = min(len(SOURCES), usable_cores())
     objects = [work / f"{src.stem}.o" for src in SOURCES]
     running: list[tuple[Path, subprocess.Popen]] = []
     failed: list[tuple[str, str]] = []

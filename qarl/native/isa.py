@@ -10,6 +10,7 @@ always names the CPU it came from.
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from pathlib import Path
 
@@ -23,6 +24,12 @@ LEVELS = (
     ("amx_bf16", ("amx_bf16", "amx_tile")),
     ("amx_int8", ("amx_int8", "amx_tile")),
 )
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one), at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, cores or 1)
 
 
 @functools.cache
